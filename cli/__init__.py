@@ -1,0 +1,1 @@
+"""The `lctrain` command line (thin: it parses, then calls the trainer or the planner)."""

@@ -1,0 +1,64 @@
+"""`lctrain` commands. Kept thin: parse arguments, load the recipe, hand over.
+
+jax is imported only after the recipe is read, because `runtime.cpu_devices` must reach
+XLA_FLAGS before jax initialises its backends.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from lctrain.recipes import RecipeError, load_recipe
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Long-context language-model training with context parallelism.")
+console = Console()
+error_console = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    error_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=2)
+
+
+def use_fake_cpu_devices(count: int) -> None:
+    if count > 0:
+        flag = f"--xla_force_host_platform_device_count={count}"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+def default_run_dir(recipe_path: Optional[str]) -> Path:
+    name = Path(recipe_path).stem if recipe_path else "tiny"
+    return Path("runs") / name
+
+
+@app.callback()
+def main() -> None:
+    """Long-context language-model training with context parallelism."""
+
+
+@app.command()
+def run(
+    recipe: Optional[str] = typer.Argument(
+        None, help="Recipe YAML file or built-in recipe name (default: the built-in 'tiny')."),
+    set_: list[str] = typer.Option([], "--set", help="Override a recipe key: section.key=value."),
+    steps: Optional[int] = typer.Option(None, help="Shorthand for --set train.steps=N."),
+    run_dir: Optional[Path] = typer.Option(
+        None, help="Checkpoints, metrics and TensorBoard events (default: runs/<recipe name>). "
+                   "A run dir with checkpoints is resumed."),
+) -> None:
+    """Train a model from a recipe, resuming from the run dir's latest checkpoint."""
+    overrides = list(set_) + ([f"train.steps={steps}"] if steps is not None else [])
+    try:
+        loaded = load_recipe(recipe, overrides)
+        use_fake_cpu_devices(loaded.runtime.cpu_devices)
+        from lctrain.trainer.loop import train
+
+        train(loaded, run_dir or default_run_dir(recipe), console)
+    except RecipeError as err:
+        fail(str(err))

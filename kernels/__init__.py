@@ -1,0 +1,79 @@
+"""Attention kernels: the single entry point every context-parallel strategy calls.
+
+`attention` validates shapes and dispatches to an implementation by name. Each
+implementation has the signature
+
+    fn(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+       *, causal, block_q, block_kv) -> (out, lse)
+
+so adding a backend ("pallas", "splash") is one entry in `_IMPLS`.
+"""
+
+import jax.numpy as jnp
+
+from . import xla
+from .masks import attention_mask
+
+_IMPLS = {
+    "xla": xla.flash_attention,
+}
+
+IMPLS = tuple(_IMPLS)
+
+
+def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+              causal=True, impl="xla", block_q=512, block_kv=512, return_lse=False):
+    """Masked multi-head (GQA) attention with softmax scale 1/sqrt(d).
+
+    Args:
+      q: [b, sq, hq, d]; k, v: [b, skv, hkv, d], hq % hkv == 0 (query head i
+        uses kv head i // (hq // hkv)). Any float dtype; accumulation is f32.
+      q_positions, kv_positions: int [b, sq] / [b, skv] TRUE token positions
+        (the arrays may be reordered or be chunks of a longer sequence).
+      q_segment_ids, kv_segment_ids: int [b, sq] / [b, skv] document ids.
+      causal: query i may attend key j iff segments match and, if causal,
+        q_positions[i] >= kv_positions[j].
+      impl: backend name, one of `IMPLS`.
+      block_q, block_kv: tile sizes (rounded down to divisors of sq / skv).
+      return_lse: also return the log-sum-exp of the scaled scores.
+
+    Returns:
+      out [b, sq, hq, d] in q.dtype, or (out, lse [b, hq, sq] f32) with
+      return_lse. Rows with no allowed key get out = 0 and lse = -inf.
+      Differentiable w.r.t. q, k, v and through lse.
+    """
+    try:
+        fn = _IMPLS[impl]
+    except KeyError:
+        raise ValueError(f"unknown attention impl {impl!r}; allowed: {sorted(_IMPLS)}") from None
+    _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    out, lse = fn(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                  causal=causal, block_q=block_q, block_kv=block_kv)
+    return (out, lse) if return_lse else out
+
+
+def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [b, s, h, d]; got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    b, sq, hq, d = q.shape
+    _, skv, hkv, dk = k.shape
+    if k.shape[0] != b or dk != d:
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head dim")
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    for name, x, want in (("q_positions", q_positions, (b, sq)),
+                          ("kv_positions", kv_positions, (b, skv)),
+                          ("q_segment_ids", q_segment_ids, (b, sq)),
+                          ("kv_segment_ids", kv_segment_ids, (b, skv))):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {x.dtype}")
+
+
+__all__ = ["IMPLS", "attention", "attention_mask"]

@@ -1,0 +1,31 @@
+"""Mesh, sharding rules and the context-parallel strategies (one file each)."""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+from lctrain.recipes.schema import Recipe, RecipeError
+
+from .mesh import MESH_AXES, build_mesh
+from .none import NoContextParallel
+from .strategy import ContextStrategy, load_balanced_order
+
+STRATEGIES: dict[str, type[ContextStrategy]] = {
+    NoContextParallel.name: NoContextParallel,
+}
+
+
+def strategy_class(recipe: Recipe) -> type[ContextStrategy]:
+    name = recipe.parallel.strategy
+    if name not in STRATEGIES:
+        raise RecipeError(f"recipe key 'parallel.strategy' = '{name}': not implemented yet; "
+                          f"available: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def make_strategy(recipe: Recipe, mesh: Mesh) -> ContextStrategy:
+    return strategy_class(recipe)(recipe, mesh)
+
+
+__all__ = ["MESH_AXES", "STRATEGIES", "ContextStrategy", "build_mesh", "load_balanced_order",
+           "make_strategy", "strategy_class"]

@@ -1,0 +1,61 @@
+"""Logical axis names -> mesh axes, for parameters and for the input batch."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Parameters are sharded over fsdp by their model width and over tensor by heads, MLP width
+# and vocabulary; activations are split over the batch by data x fsdp and over the
+# sequence by context.
+LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
+    "layers": None,
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "batch": ("data", "fsdp"),
+    "sequence": "context",
+}
+
+
+def _axis_size(mesh: Mesh, mesh_axes) -> int:
+    names = mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)
+    size = 1
+    for name in names:
+        size *= mesh.shape[name]
+    return size
+
+
+def logical_spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P:
+    """PartitionSpec for a tensor; a dimension the mesh axis does not divide stays whole."""
+    spec = []
+    for name, dim in zip(axes, shape):
+        mesh_axes = LOGICAL_TO_MESH[name] if name else None
+        if mesh_axes is not None and dim % _axis_size(mesh, mesh_axes) != 0:
+            mesh_axes = None
+        spec.append(mesh_axes)
+    return P(*spec)
+
+
+def parameter_shardings(mesh: Mesh, abstract_state: nnx.State) -> dict:
+    """NamedShardings (as a pure dict, like the parameters) from each Param's `axes`."""
+    def sharding(variable: nnx.Variable) -> NamedSharding:
+        value = variable.get_value() if hasattr(variable, "get_value") else variable.value
+        return NamedSharding(mesh, logical_spec(mesh, variable.axes, value.shape))
+
+    shardings = jax.tree.map(sharding, abstract_state,
+                             is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(shardings)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[batch, sequence] inputs: rows over data x fsdp, tokens over context."""
+    return NamedSharding(mesh, P(LOGICAL_TO_MESH["batch"], LOGICAL_TO_MESH["sequence"]))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

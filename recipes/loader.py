@@ -1,0 +1,270 @@
+"""Reads a YAML recipe into the typed `Recipe`, applies `--set` overrides and validates it once.
+
+Every error is a `RecipeError` whose message names the key, the value and what is allowed,
+so the CLI can print it as one line and exit 2 before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .schema import (MODEL_PRESETS, REMAT_TENSORS, Recipe, RecipeError)
+
+DEFAULT_RECIPE = "tiny"
+
+
+def builtin_recipes() -> list[str]:
+    return sorted(p.name.removesuffix(".yaml") for p in resources.files(__package__).iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Recipe:
+    """Loads a recipe file (or a built-in recipe by name; None = the default) and validates it."""
+    raw = _read_yaml(path)
+    for assignment in overrides:
+        key, value = _parse_override(assignment)
+        _set_dotted(raw, key, value)
+    recipe = _build(Recipe, raw, prefix="")
+    _fill_model_preset(recipe)
+    validate(recipe)
+    return recipe
+
+
+def _read_yaml(path: str | os.PathLike | None) -> dict[str, Any]:
+    if path is None or (str(path) in builtin_recipes() and not Path(path).exists()):
+        name = DEFAULT_RECIPE if path is None else str(path)
+        text = resources.files(__package__).joinpath(f"{name}.yaml").read_text()
+        source = f"built-in recipe '{name}'"
+    else:
+        if not Path(path).is_file():
+            raise RecipeError(
+                f"recipe file '{path}' does not exist; give a YAML file or one of the built-in "
+                f"recipes: {', '.join(builtin_recipes())}")
+        text = Path(path).read_text()
+        source = str(path)
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{source} is not valid YAML: {err}".replace("\n", " ")) from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source} must be a mapping of sections (model:, data:, ...)")
+    return raw
+
+
+def _parse_override(assignment: str) -> tuple[str, Any]:
+    key, sep, text = assignment.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"override '{assignment}' must look like section.key=value")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    *sections, leaf = key.split(".")
+    node = raw
+    for name in sections:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"override '{key}': '{name}' is not a section")
+    node[leaf] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe key '{prefix.rstrip('.') or '<root>'}' must be a mapping, "
+                          f"got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        key = prefix + unknown[0]
+        raise RecipeError(f"unknown recipe key '{key}'; allowed under "
+                          f"'{prefix.rstrip('.') or '<root>'}': {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in raw.items():
+        key = prefix + name
+        if dataclasses.is_dataclass(hints[name]):
+            values[name] = _build(hints[name], value, key + ".")
+        else:
+            values[name] = _coerce(key, value, hints[name])
+    return cls(**values)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner)
+    if origin is Literal:
+        if value not in args:
+            raise RecipeError(f"recipe key '{key}': got {value!r}; allowed: "
+                              f"{', '.join(map(str, args))}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"recipe key '{key}': got {value!r}; expected a mapping")
+        return {str(k): _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
+    return _coerce_scalar(key, value, hint)
+
+
+def _coerce_scalar(key: str, value: Any, hint: type) -> Any:
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and not isinstance(value, bool):
+        try:
+            return float(value)  # YAML reads 3e-4 (no dot) as a string
+        except (TypeError, ValueError):
+            pass
+    if hint is str and isinstance(value, str):
+        return value
+    expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
+    raise RecipeError(f"recipe key '{key}': got {value!r} ({type(value).__name__}); "
+                      f"expected {expected}")
+
+
+def _fill_model_preset(recipe: Recipe) -> None:
+    preset = MODEL_PRESETS[recipe.model.preset]
+    for name, value in preset.items():
+        if getattr(recipe.model, name) is None:
+            setattr(recipe.model, name, value)
+
+
+def _require(ok: bool, key: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise RecipeError(f"recipe key '{key}' = {value!r}: {fix}")
+
+
+def validate(recipe: Recipe) -> None:
+    """Checks that need no devices; `check_against_devices` does the rest once jax is up."""
+    m, d, t = recipe.model, recipe.data, recipe.train
+    for name in ("layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab"):
+        _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be positive")
+    _require(m.d_model % m.n_heads == 0, "model.d_model", m.d_model,
+             f"must be divisible by model.n_heads ({m.n_heads})")
+    _require(m.head_dim % 2 == 0, "model.d_model", m.d_model,
+             "d_model / n_heads must be even for RoPE")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
+             f"must divide model.n_heads ({m.n_heads})")
+    _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be positive")
+    _require(d.batch_size > 0, "data.batch_size", d.batch_size, "must be positive")
+    _validate_source(recipe)
+    _require(t.steps > 0, "train.steps", t.steps, "must be positive")
+    _require(t.lr > 0, "train.lr", t.lr, "must be positive")
+    _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", t.warmup_steps,
+             f"must be in [0, train.steps={t.steps})")
+    _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    _require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
+    _require(t.grad_accum_steps > 0, "train.grad_accum_steps", t.grad_accum_steps,
+             "must be positive")
+    _require(d.batch_size % t.grad_accum_steps == 0, "data.batch_size", d.batch_size,
+             f"must be divisible by train.grad_accum_steps ({t.grad_accum_steps})")
+    _validate_mesh(recipe)
+    _validate_remat(recipe)
+    _require(recipe.attention.block_q > 0, "attention.block_q", recipe.attention.block_q,
+             "must be positive")
+    _require(recipe.attention.block_kv > 0, "attention.block_kv", recipe.attention.block_kv,
+             "must be positive")
+    _require(recipe.checkpoint.every >= 0, "checkpoint.every", recipe.checkpoint.every,
+             "must be >= 0 (0 = only at the end)")
+    _require(recipe.checkpoint.keep >= 1, "checkpoint.keep", recipe.checkpoint.keep,
+             "must be >= 1")
+    _require(recipe.runtime.cpu_devices >= 0, "runtime.cpu_devices", recipe.runtime.cpu_devices,
+             "must be >= 0 (0 = jax's default)")
+    _require(recipe.runtime.log_every > 0, "runtime.log_every", recipe.runtime.log_every,
+             "must be positive")
+
+
+def _validate_source(recipe: Recipe) -> None:
+    d = recipe.data
+    if d.source == "synthetic":
+        _require(d.seq_len >= 4, "data.seq_len", d.seq_len, "the synthetic task needs >= 4")
+        return
+    path = Path(d.source)
+    _require(path.exists(), "data.source", d.source,
+             "no such file or folder; use 'synthetic', a .bin/.npy token file or text file(s)")
+    if path.suffix not in (".bin", ".npy"):
+        _require(recipe.model.vocab >= 257, "model.vocab", recipe.model.vocab,
+                 "text sources use the byte tokenizer (256 bytes + end-of-document): need >= 257")
+
+
+def _validate_mesh(recipe: Recipe) -> None:
+    sizes = recipe.mesh.axis_sizes()
+    for axis, size in sizes.items():
+        _require(size == -1 or size > 0, f"mesh.{axis}", size, "must be positive or -1 (fill)")
+    fills = [axis for axis, size in sizes.items() if size == -1]
+    _require(len(fills) <= 1, f"mesh.{fills[-1] if fills else 'data'}", -1,
+             f"only one mesh axis may be -1, got {', '.join(fills)}")
+    p = recipe.parallel
+    if p.strategy == "none":
+        _require(recipe.mesh.context == 1, "mesh.context", recipe.mesh.context,
+                 "parallel.strategy 'none' needs mesh.context = 1; pick a context-parallel "
+                 "strategy (all_gather, ulysses, ring, usp, auto)")
+    _require(p.ulysses >= 1, "parallel.ulysses", p.ulysses, "must be >= 1")
+
+
+def _validate_remat(recipe: Recipe) -> None:
+    r = recipe.remat
+    for name in r.tensors:
+        _require(name in REMAT_TENSORS, f"remat.tensors.{name}", r.tensors[name],
+                 f"unknown tensor name; known: {', '.join(REMAT_TENSORS)}")
+    if r.policy != "custom":
+        _require(not r.tensors, "remat.tensors", r.tensors,
+                 f"only used with remat.policy=custom (policy is '{r.policy}')")
+
+
+def resolve_mesh(recipe: Recipe, device_count: int) -> dict[str, int]:
+    """Mesh axis sizes with -1 filled in; checks the product against the devices."""
+    sizes = recipe.mesh.axis_sizes()
+    fixed = 1
+    for size in sizes.values():
+        fixed *= size if size > 0 else 1
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if fill:
+        _require(device_count % fixed == 0, f"mesh.{fill[0]}", -1,
+                 f"the other axes multiply to {fixed}, which does not divide the "
+                 f"{device_count} devices")
+        sizes[fill[0]] = device_count // fixed
+    product = 1
+    for size in sizes.values():
+        product *= size
+    _require(product == device_count, "mesh", sizes,
+             f"axis sizes multiply to {product} but there are {device_count} devices; "
+             f"make the product {device_count} or set one axis to -1")
+    return sizes
+
+
+def check_against_devices(recipe: Recipe, device_count: int) -> dict[str, int]:
+    """Checks that depend on the device count; returns the resolved mesh axis sizes."""
+    sizes = resolve_mesh(recipe, device_count)
+    d, t = recipe.data, recipe.train
+    batch_shards = sizes["data"] * sizes["fsdp"]
+    _require(d.batch_size % (batch_shards * t.grad_accum_steps) == 0, "data.batch_size",
+             d.batch_size, f"must be divisible by mesh.data * mesh.fsdp * "
+                           f"train.grad_accum_steps = {batch_shards * t.grad_accum_steps}")
+    context = sizes["context"]
+    chunks = 2 * context if recipe.parallel.load_balance and context > 1 else context
+    _require(d.seq_len % chunks == 0, "data.seq_len", d.seq_len,
+             f"must be divisible by {chunks} (mesh.context={context}"
+             + (", x2 for parallel.load_balance" if chunks != context else "") + ")")
+    m = recipe.model
+    _require(m.n_heads % sizes["tensor"] == 0 and m.n_kv_heads % sizes["tensor"] == 0,
+             "mesh.tensor", sizes["tensor"],
+             f"must divide model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads})")
+    _require(m.d_ff % sizes["tensor"] == 0, "mesh.tensor", sizes["tensor"],
+             f"must divide model.d_ff ({m.d_ff})")
+    return sizes

@@ -1,0 +1,1 @@
+"""Model, train state and step, loop, data, checkpoints and metrics."""

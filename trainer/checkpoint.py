@@ -1,0 +1,48 @@
+"""Checkpoints through orbax: async saves, the newest `keep` kept, resume from the latest.
+
+Orbax writes each step into a temporary folder and renames it when complete, so a crash
+mid-save leaves the previous checkpoint as the latest one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+
+from lctrain.recipes.schema import CheckpointConfig
+
+from .step import TrainState
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, cfg: CheckpointConfig):
+        self.every = cfg.every
+        self.manager = ocp.CheckpointManager(
+            Path(directory).absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
+                                                 enable_async_checkpointing=True))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore(self, abstract_state: TrainState) -> tuple[TrainState, int]:
+        """The latest complete checkpoint as (state, index of the next data batch)."""
+        step = self.manager.latest_step()
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        return TrainState(*restored.state), int(restored.data["next_batch"])
+
+    def save(self, state: TrainState, step: int, next_batch: int, *, force: bool = False) -> bool:
+        """Saves when `step` is on the interval (or forced); returns whether it saved."""
+        due = self.every > 0 and step % self.every == 0
+        if not (due or force) or step in self.manager.all_steps():
+            return False
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"next_batch": next_batch})))
+        return True
+
+    def close(self) -> None:
+        """Waits for the async save in flight, so the process never exits mid-write."""
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,112 @@
+"""The training loop: mesh, strategy, state (fresh or resumed), then step, log, checkpoint."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+from jax.sharding import Mesh
+from rich.console import Console
+
+from lctrain.parallel import build_mesh, make_strategy, strategy_class
+from lctrain.recipes import Recipe, check_against_devices
+
+from .checkpoint import Checkpointer
+from .data import Batch, make_source
+from .metrics import MetricsWriter, peak_flops, training_flops_per_token
+from .model import count_parameters
+from .step import BATCH_FIELDS, TrainState, build_trainable, batch_shardings, make_train_step
+
+
+def mesh_for(recipe: Recipe, devices=None) -> Mesh:
+    """Validates the recipe against the devices (RecipeError before any compile), builds the mesh."""
+    devices = jax.devices() if devices is None else devices
+    sizes = check_against_devices(recipe, len(devices))
+    strategy_class(recipe).check(recipe, sizes)
+    return build_mesh(sizes, devices)
+
+
+def device_batch(batch: Batch, order: np.ndarray | None, mesh: Mesh) -> dict[str, jax.Array]:
+    """Host batch -> sharded global arrays, in the strategy's token order."""
+    shardings = batch_shardings(mesh)
+    arrays = {}
+    for name in BATCH_FIELDS:
+        host = getattr(batch, name)
+        if order is not None:
+            host = host[:, order]
+        arrays[name] = jax.make_array_from_callback(host.shape, shardings[name],
+                                                    lambda index, host=host: host[index])
+    return arrays
+
+
+def train(recipe: Recipe, run_dir: Path, console: Console | None = None) -> list[dict]:
+    """Trains to recipe.train.steps, resuming from run_dir's latest checkpoint; returns the
+    metrics records it logged."""
+    console = console or Console()
+    is_main = jax.process_index() == 0
+    mesh = mesh_for(recipe)
+    source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed)
+    strategy = make_strategy(recipe, mesh)
+    trainable = build_trainable(recipe, mesh)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if is_main:
+        (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    checkpointer = Checkpointer(run_dir / "checkpoints", recipe.checkpoint)
+    state, next_batch = _initial_state(trainable, checkpointer, console)
+    order = strategy.sequence_order(recipe.data.seq_len)
+    train_step = make_train_step(recipe, trainable, strategy, mesh)
+    writer = MetricsWriter(run_dir, is_main, console)
+    console.print(f"model {recipe.model.preset}: {count_parameters(recipe.model):,} parameters | "
+                  f"mesh {dict(mesh.shape)} | strategy {strategy.name} | "
+                  f"attention {recipe.attention.impl} | remat {recipe.remat.policy} | "
+                  f"run dir {run_dir}", soft_wrap=True)
+    try:
+        records = _run_steps(recipe, state, next_batch, source, order, mesh, train_step,
+                             checkpointer, writer)
+    finally:
+        checkpointer.close()
+        writer.close()
+    return records
+
+
+def _initial_state(trainable, checkpointer: Checkpointer, console: Console):
+    if checkpointer.latest_step() is None:
+        return trainable.init(), 0
+    state, next_batch = checkpointer.restore(trainable.abstract_state)
+    console.print(f"resumed from checkpoint at step {int(state.step)}")
+    return state, next_batch
+
+
+def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order, mesh,
+               train_step, checkpointer: Checkpointer, writer: MetricsWriter) -> list[dict]:
+    total = recipe.train.steps
+    tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
+    flops_per_step = training_flops_per_token(recipe.model, recipe.data.seq_len) * tokens_per_step
+    peak = peak_flops(jax.devices()[0].device_kind)
+    records = []
+    step = first_step = int(state.step)
+    window_start, window_steps = time.perf_counter(), 0
+    while step < total:
+        batch = device_batch(source.batch(next_batch), order, mesh)
+        state, metrics = train_step(state, batch)
+        step, next_batch, window_steps = step + 1, next_batch + 1, window_steps + 1
+        if step == first_step + 1:
+            # Keep compilation out of the throughput figures.
+            jax.block_until_ready(metrics)
+            writer.console.print(f"first step (compile + run) took "
+                                 f"{time.perf_counter() - window_start:.1f} s")
+            window_start, window_steps = time.perf_counter(), 0
+        if step % recipe.runtime.log_every == 0 or step == total:
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            step_time = (time.perf_counter() - window_start) / max(window_steps, 1)
+            metrics.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time)
+            if peak:
+                metrics["mfu"] = flops_per_step / step_time / (peak * jax.device_count())
+            writer.write(step, total, metrics)
+            records.append({"step": step, **metrics})
+            window_start, window_steps = time.perf_counter(), 0
+        checkpointer.save(state, step, next_batch, force=step == total)
+    return records

@@ -1,0 +1,74 @@
+"""Per-step metrics: console lines, TensorBoard events and metrics.jsonl (process 0 only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from lctrain.recipes.schema import ModelConfig
+
+from .model import count_parameters
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' published specifications.
+PEAK_FLOPS_BY_DEVICE_KIND = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "TPU7x": 2307e12,
+    "H100": 989e12,
+    "H200": 989e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak of the first (longest) matching name, or None for chips we do not know (CPU)."""
+    for name in sorted(PEAK_FLOPS_BY_DEVICE_KIND, key=len, reverse=True):
+        if name.lower() in device_kind.lower():
+            return PEAK_FLOPS_BY_DEVICE_KIND[name]
+    return None
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """6 x parameters for the matmuls, plus causal attention (half of the full s x s work)."""
+    attention = 6 * cfg.layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6 * count_parameters(cfg) + attention
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, enabled: bool, console: Console):
+        self.enabled = enabled
+        self.console = console
+        self.jsonl = None
+        self.tensorboard = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(run_dir / "metrics.jsonl", "a")
+            self.tensorboard = SummaryWriter(str(run_dir / "tb"))
+
+    def write(self, step: int, total_steps: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for name, value in record.items():
+            if name != "step":
+                self.tensorboard.add_scalar(f"train/{name}", value, step)
+        mfu = f" | MFU {record['mfu']:.1%}" if "mfu" in record else ""
+        self.console.print(
+            f"step {step:>{len(str(total_steps))}}/{total_steps} | loss {record['loss']:.4f} | "
+            f"grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+            f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1e3:.1f} ms/step{mfu}", soft_wrap=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.jsonl.close()
+            self.tensorboard.close()

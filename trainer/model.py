@@ -1,0 +1,175 @@
+"""A Llama-3.x decoder in Flax NNX: RMSNorm, RoPE (with Llama 3.1 scaling), GQA, SwiGLU.
+
+Every parameter carries `axes`, its logical axis names; `lctrain.parallel.sharding` maps
+them onto the mesh. Layers are stacked on a leading 'layers' axis and applied with
+`lax.scan`, so compile time does not grow with depth. Attention itself is a callable the
+caller passes in (the context-parallel strategy), so the model knows nothing of the mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from lctrain.recipes.schema import ModelConfig
+
+
+class Attend(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array) -> jax.Array: ...
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
+           fan_in: int) -> nnx.Param:
+    init = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+    return nnx.Param(init, axes=axes)
+
+
+def _weight(param: nnx.Param, dtype) -> jax.Array:
+    return param[...].astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Per-pair rotation speeds; Llama 3.1 slows the low frequencies for long context."""
+    exponents = jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+    if not cfg.rope_scaling_factor:
+        return inv_freq
+    # Llama 3.1's constants: wavelengths beyond original_context/low_freq_factor are divided
+    # by the factor, those below original_context/high_freq_factor kept, smooth in between.
+    factor, low_freq_factor, high_freq_factor, original_context = (
+        cfg.rope_scaling_factor, 1.0, 4.0, 8192.0)
+    wavelength = 2 * jnp.pi / inv_freq
+    smooth = (original_context / wavelength - low_freq_factor) / (
+        high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = jnp.where(wavelength > original_context / low_freq_factor, inv_freq / factor,
+                       blended)
+    return jnp.where(wavelength < original_context / high_freq_factor, inv_freq, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates [b, s, heads, d] by each token's true position (rotate-half convention)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, d/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, h, kv, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e)
+        self.wk = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), e)
+        self.wv = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), e)
+        self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), h * d)
+
+    def __call__(self, x, positions, segment_ids, inv_freq, attend: Attend):
+        dtype = x.dtype
+        q = checkpoint_name(jnp.einsum("bse,ehd->bshd", x, _weight(self.wq, dtype)), "query_proj")
+        k = checkpoint_name(jnp.einsum("bse,ehd->bshd", x, _weight(self.wk, dtype)), "key_proj")
+        v = checkpoint_name(jnp.einsum("bse,ehd->bshd", x, _weight(self.wv, dtype)), "value_proj")
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        context = checkpoint_name(attend(q, k, v, positions, segment_ids), "context")
+        out = jnp.einsum("bshd,hde->bse", context, _weight(self.wo, dtype))
+        return checkpoint_name(out, "out_proj")
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, f = cfg.d_model, cfg.d_ff
+        self.gate = _param(rngs, (e, f), ("embed", "mlp"), e)
+        self.up = _param(rngs, (e, f), ("embed", "mlp"), e)
+        self.down = _param(rngs, (f, e), ("mlp", "embed"), f)
+
+    def __call__(self, x):
+        dtype = x.dtype
+        gate = checkpoint_name(x @ _weight(self.gate, dtype), "mlpwi")
+        up = checkpoint_name(x @ _weight(self.up, dtype), "mlpwi")
+        return checkpoint_name((jax.nn.silu(gate) * up) @ _weight(self.down, dtype), "mlpwo")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, segment_ids, inv_freq, attend: Attend):
+        x = checkpoint_name(x, "decoder_layer_input")
+        x = x + self.attention(self.attention_norm(x), positions, segment_ids, inv_freq, attend)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """cfg.layers decoder layers as one module whose parameters have a leading 'layers' axis."""
+    keys = jax.random.split(rngs.params(), cfg.layers)
+    states = jax.vmap(lambda key: nnx.state(DecoderLayer(cfg, nnx.Rngs(key))))(keys)
+    states = jax.tree.map(lambda p: p.replace(axes=("layers", *p.axes)), states,
+                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(cfg, nnx.Rngs(0))))
+    return nnx.merge(graphdef, states)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = nnx.Param(
+            jax.random.normal(rngs.params(), (cfg.vocab, cfg.d_model), jnp.float32),
+            axes=("vocab", "embed"))
+        self.layers = _stacked_layers(cfg, rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.unembedding = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"),
+                                      cfg.d_model)
+
+    def output_weights(self) -> jax.Array:
+        """[d_model, vocab] matrix the loss multiplies the final hidden states with."""
+        if self.cfg.tie_embeddings:
+            return self.embedding[...].T / math.sqrt(self.cfg.d_model)
+        return self.unembedding[...]
+
+    def __call__(self, tokens, positions, segment_ids, *, attend: Attend,
+                 remat_policy: Callable | None = None) -> jax.Array:
+        """Final (normalized) hidden states [b, s, d_model] in the compute dtype."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
+        inv_freq = rope_inverse_frequencies(self.cfg)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def one_layer(x, layer_state):
+            layer = nnx.merge(graphdef, layer_state)
+            return layer(x, positions, segment_ids, inv_freq, attend), None
+
+        if remat_policy is not None:
+            one_layer = jax.checkpoint(one_layer, policy=remat_policy, prevent_cse=False)
+        x, _ = jax.lax.scan(one_layer, x, stacked)
+        return self.final_norm(x)
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    e, f, v, layers = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.layers
+    attention = e * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    per_layer = attention + 3 * e * f + 2 * e
+    embeddings = v * e * (1 if cfg.tie_embeddings else 2)
+    return layers * per_layer + embeddings + e

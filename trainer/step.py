@@ -1,0 +1,115 @@
+"""Train state, its sharded initialisation, and the jitted train step."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from lctrain.parallel import ContextStrategy
+from lctrain.parallel.sharding import batch_sharding, parameter_shardings, replicated
+from lctrain.recipes.schema import Recipe
+
+from .loss import next_token_loss
+from .model import Transformer
+from .optimizer import learning_rate_schedule, make_optimizer
+from .remat import remat_policy
+
+BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+
+
+class Trainable(NamedTuple):
+    """Everything the loop needs to build, restore and step the state."""
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    init: Callable[[], TrainState]          # jitted, returns the sharded initial state
+    abstract_state: TrainState              # ShapeDtypeStructs with shardings (for restore/AOT)
+    state_shardings: TrainState
+
+
+def build_trainable(recipe: Recipe, mesh: Mesh) -> Trainable:
+    optimizer = make_optimizer(recipe.train)
+
+    def fresh_state() -> TrainState:
+        model = Transformer(recipe.model, nnx.Rngs(recipe.train.seed))
+        params = nnx.to_pure_dict(nnx.state(model))
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+    abstract_model = nnx.eval_shape(lambda: Transformer(recipe.model, nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract_model)
+    param_shardings = parameter_shardings(mesh, abstract_params)
+    shapes = jax.eval_shape(fresh_state)
+    shardings = TrainState(
+        step=replicated(mesh),
+        params=param_shardings,
+        opt_state=optax.tree_map_params(
+            optimizer, lambda _, sharding: sharding, shapes.opt_state, param_shardings,
+            transform_non_params=lambda _: replicated(mesh)),
+    )
+    abstract_state = jax.tree.map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+        shapes, shardings)
+    init = jax.jit(fresh_state, out_shardings=shardings)
+    return Trainable(graphdef, optimizer, init, abstract_state, shardings)
+
+
+def batch_shardings(mesh: Mesh) -> dict[str, Any]:
+    return {name: batch_sharding(mesh) for name in BATCH_FIELDS}
+
+
+def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrategy,
+                    mesh: Mesh) -> Callable:
+    """The jitted step: (state, batch) -> (new state, metrics); the state is donated."""
+    policy = remat_policy(recipe.remat)
+    accum_steps = recipe.train.grad_accum_steps
+    schedule = learning_rate_schedule(recipe.train)
+
+    def loss_sums(params, batch):
+        model = nnx.merge(trainable.graphdef, params)
+        hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
+                       attend=strategy.attend, remat_policy=policy)
+        return next_token_loss(hidden, model.output_weights(), batch["targets"],
+                               batch["loss_mask"], recipe.train.z_loss)
+
+    sums_and_grads = jax.value_and_grad(loss_sums, has_aux=True)
+
+    def accumulate(params, batch):
+        if accum_steps == 1:
+            return sums_and_grads(params, batch)
+
+        # Micro-batch a takes rows a, a+A, a+2A, ...: every micro-batch stays spread over
+        # all data-parallel devices instead of living on a few of them.
+        def split(x):
+            return jnp.moveaxis(x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]),
+                                1, 0)
+
+        def add_micro_batch(total, micro_batch):
+            return jax.tree.map(jnp.add, total, sums_and_grads(params, micro_batch)), None
+
+        zeros = ((jnp.zeros(()), jnp.zeros(())), jax.tree.map(jnp.zeros_like, params))
+        total, _ = jax.lax.scan(add_micro_batch, zeros, jax.tree.map(split, batch))
+        return total
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        (loss_sum, token_count), grad_sums = accumulate(state.params, batch)
+        token_count = jnp.maximum(token_count, 1.0)
+        grads = jax.tree.map(lambda g: g / token_count, grad_sums)
+        updates, opt_state = trainable.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss_sum / token_count, "grad_norm": optax.global_norm(grads),
+                   "lr": schedule(state.step)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return jax.jit(train_step, in_shardings=(trainable.state_shardings, batch_shardings(mesh)),
+                   out_shardings=(trainable.state_shardings, replicated(mesh)),
+                   donate_argnums=0)
