@@ -62,3 +62,7 @@ def run(
         train(loaded, run_dir or default_run_dir(recipe), console)
     except RecipeError as err:
         fail(str(err))
+
+
+if __name__ == "__main__":
+    app()

@@ -106,7 +106,7 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrat
         grads = jax.tree.map(lambda g: g / token_count, grad_sums)
         updates, opt_state = trainable.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss_sum / token_count, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss_sum / token_count, "grad_norm": optax.tree_utils.tree_l2_norm(grads),
                    "lr": schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state), metrics
 

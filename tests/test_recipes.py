@@ -1,0 +1,105 @@
+"""Recipe loading: types, overrides, presets and every error a user can make."""
+
+import pytest
+from typer.testing import CliRunner
+
+from lctrain.cli.main import app
+from lctrain.recipes import RecipeError, check_against_devices, load_recipe
+
+
+def write(tmp_path, text):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_default_recipe_fills_the_tiny_preset():
+    recipe = load_recipe(None)
+    assert (recipe.model.layers, recipe.model.d_model, recipe.model.n_heads,
+            recipe.model.n_kv_heads, recipe.model.vocab) == (2, 64, 4, 2, 128)
+    assert recipe.runtime.cpu_devices == 8
+
+
+def test_preset_values_are_overridden_field_by_field():
+    recipe = load_recipe(None, ["model.preset=llama3.1-8b", "model.layers=4"])
+    assert recipe.model.layers == 4
+    assert recipe.model.d_model == 4096 and recipe.model.n_kv_heads == 8
+    assert recipe.model.vocab == 128256 and recipe.model.rope_scaling_factor == 8.0
+
+
+def test_overrides_convert_types():
+    recipe = load_recipe(None, ["train.lr=3e-4", "data.seq_len=512", "parallel.load_balance=false",
+                                "remat.policy=custom", "remat.tensors.decoder_layer_input=offload"])
+    assert recipe.train.lr == pytest.approx(3e-4)
+    assert recipe.data.seq_len == 512
+    assert recipe.parallel.load_balance is False
+    assert recipe.remat.tensors == {"decoder_layer_input": "offload"}
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["train.stpes=3"], "train.stpes", "unknown recipe key"),
+    (["data.seq_len=abc"], "data.seq_len", "expected an integer"),
+    (["data.seq_len=2.5"], "data.seq_len", "expected an integer"),
+    (["parallel.strategy=zigzag"], "parallel.strategy", "allowed: none, all_gather"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads", "must divide model.n_heads"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], "mesh.fsdp", "only one mesh axis may be -1"),
+    (["mesh.context=2"], "mesh.context", "needs mesh.context = 1"),
+    (["remat.tensors.decoder_layer_input=offload"], "remat.tensors", "only used with"),
+    (["remat.policy=custom", "remat.tensors.attn=offload"], "remat.tensors.attn",
+     "unknown tensor name"),
+    (["data.source=/no/such/file.bin"], "data.source", "no such file"),
+    (["train.warmup_steps=1000"], "train.warmup_steps", "must be in"),
+])
+def test_bad_values_name_the_key_and_the_fix(overrides, key, words):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, overrides)
+    assert f"'{key}'" in str(err.value) and words in str(err.value)
+
+
+def test_unknown_section_in_file(tmp_path):
+    with pytest.raises(RecipeError, match="unknown recipe key 'trainer'"):
+        load_recipe(write(tmp_path, "trainer:\n  steps: 3\n"))
+
+
+def test_yaml_scalars_are_checked(tmp_path):
+    with pytest.raises(RecipeError, match=r"'train.steps': got 'ten' \(str\)"):
+        load_recipe(write(tmp_path, "train:\n  steps: ten\n"))
+
+
+def test_mesh_product_must_match_devices():
+    recipe = load_recipe(None, ["mesh.data=2", "mesh.fsdp=2"])
+    with pytest.raises(RecipeError, match="multiply to 4 but there are 8 devices"):
+        check_against_devices(recipe, 8)
+
+
+def test_fill_axis_takes_the_remaining_devices():
+    recipe = load_recipe(None, ["mesh.data=-1", "mesh.tensor=2"])
+    assert check_against_devices(recipe, 8) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
+
+
+def test_seq_len_must_split_into_load_balanced_chunks():
+    recipe = load_recipe(None, ["parallel.strategy=all_gather", "mesh.context=4",
+                                "data.seq_len=100"])
+    with pytest.raises(RecipeError, match=r"'data.seq_len' = 100: must be divisible by 8"):
+        check_against_devices(recipe, 8)
+
+
+def test_batch_must_split_over_data_parallel_devices():
+    recipe = load_recipe(None, ["data.batch_size=4"])
+    with pytest.raises(RecipeError, match="'data.batch_size' = 4: must be divisible by"):
+        check_against_devices(recipe, 8)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["run", "--set", "train.stpes=3"], "unknown recipe key 'train.stpes'"),
+    (["run", "--set", "data.seq_len=abc"], "'data.seq_len': got 'abc'"),
+    (["run", "--set", "mesh.data=3"], "multiply to 3 but there are 8 devices"),
+    (["run", "--set", "mesh.context=2"], "needs mesh.context = 1"),
+    (["run", "--set", "data.batch_size=4"], "'data.batch_size' = 4: must be divisible by 8"),
+    (["run", "no-such-recipe.yaml"], "does not exist"),
+])
+def test_cli_reports_bad_input_in_one_line_and_exits_2(args, words, tmp_path):
+    result = CliRunner().invoke(app, [*args, "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and words in lines[0]
