@@ -6,9 +6,11 @@ implementation has the signature
     fn(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
        *, causal, block_q, block_kv) -> (out, lse)
 
-so adding a backend ("pallas", "splash") is one entry in `_IMPLS`.
+so adding a backend ("pallas", "splash") is one entry in `_IMPLS`. impl="auto"
+(a recipe option) picks the best registered backend for the platform.
 """
 
+import jax
 import jax.numpy as jnp
 
 from . import xla
@@ -19,6 +21,21 @@ _IMPLS = {
 }
 
 IMPLS = tuple(_IMPLS)
+
+# impl="auto", as the recipe schema documents it: splash on TPU, pallas on GPU,
+# xla on CPU. Backends not registered yet are skipped, so "auto" falls back to xla.
+_AUTO_PREFERENCE = {"tpu": ("splash", "pallas"), "gpu": ("pallas",)}
+
+
+def resolve_impl(impl: str) -> str:
+    """The registered backend name `impl` stands for; ValueError if there is none."""
+    if impl == "auto":
+        preferred = _AUTO_PREFERENCE.get(jax.default_backend(), ())
+        return next((name for name in preferred if name in _IMPLS), "xla")
+    if impl not in _IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; allowed: "
+                         f"{sorted(_IMPLS) + ['auto']}")
+    return impl
 
 
 def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
@@ -33,7 +50,7 @@ def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_i
       q_segment_ids, kv_segment_ids: int [b, sq] / [b, skv] document ids.
       causal: query i may attend key j iff segments match and, if causal,
         q_positions[i] >= kv_positions[j].
-      impl: backend name, one of `IMPLS`.
+      impl: backend name, one of `IMPLS`, or "auto" (see `resolve_impl`).
       block_q, block_kv: tile sizes (rounded down to divisors of sq / skv).
       return_lse: also return the log-sum-exp of the scaled scores.
 
@@ -42,10 +59,7 @@ def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_i
       return_lse. Rows with no allowed key get out = 0 and lse = -inf.
       Differentiable w.r.t. q, k, v and through lse.
     """
-    try:
-        fn = _IMPLS[impl]
-    except KeyError:
-        raise ValueError(f"unknown attention impl {impl!r}; allowed: {sorted(_IMPLS)}") from None
+    fn = _IMPLS[resolve_impl(impl)]
     _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     out, lse = fn(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                   causal=causal, block_q=block_q, block_kv=block_kv)
@@ -76,4 +90,4 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
             raise ValueError(f"{name} must be integer, got {x.dtype}")
 
 
-__all__ = ["IMPLS", "attention", "attention_mask"]
+__all__ = ["IMPLS", "attention", "attention_mask", "resolve_impl"]

@@ -6,12 +6,14 @@ from jax.sharding import Mesh
 
 from lctrain.recipes.schema import Recipe, RecipeError
 
+from .all_gather import AllGather
 from .mesh import MESH_AXES, build_mesh
 from .none import NoContextParallel
 from .strategy import ContextStrategy, load_balanced_order
+from .ulysses import Ulysses
 
 STRATEGIES: dict[str, type[ContextStrategy]] = {
-    NoContextParallel.name: NoContextParallel,
+    strategy.name: strategy for strategy in (NoContextParallel, AllGather, Ulysses)
 }
 
 

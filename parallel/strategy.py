@@ -1,9 +1,10 @@
 """The one interface every context-parallel strategy implements.
 
 The model calls `strategy.attend(q, k, v, positions, segment_ids)` with global-shape,
-mesh-sharded arrays ([batch, seq, heads, head_dim]); a strategy decides how the sequence
-split over the mesh's 'context' axis meets the whole sequence, and calls the attention
-kernel from `lctrain.kernels` for the local work.
+mesh-sharded arrays ([batch, seq, heads, head_dim]). `attend` enters a shard_map over the
+whole mesh (kernels such as Mosaic's must run inside one) and hands each device its
+shard: a strategy only writes `local_attention`, deciding how the device's chunk of the
+sequence meets the rest of it, and calls the kernel from `lctrain.kernels` for the work.
 """
 
 from __future__ import annotations
@@ -12,9 +13,15 @@ from typing import ClassVar
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
+from lctrain import kernels
+from lctrain.parallel.sharding import LOGICAL_TO_MESH
 from lctrain.recipes.schema import Recipe
+
+CONTEXT_AXIS = "context"
+HEADS_SPEC = P(LOGICAL_TO_MESH["batch"], LOGICAL_TO_MESH["sequence"], "tensor", None)
+TOKENS_SPEC = P(LOGICAL_TO_MESH["batch"], LOGICAL_TO_MESH["sequence"])
 
 
 class ContextStrategy:
@@ -45,7 +52,21 @@ class ContextStrategy:
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segment_ids: jax.Array) -> jax.Array:
+        per_device = jax.shard_map(
+            self.local_attention, mesh=self.mesh,
+            in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, TOKENS_SPEC, TOKENS_SPEC),
+            out_specs=HEADS_SPEC, check_vma=False)
+        return per_device(q, k, v, positions, segment_ids)
+
+    def local_attention(self, q, k, v, positions, segment_ids):
+        """One device's work: its [b, s/context, heads/tensor, d] chunk of q, k, v."""
         raise NotImplementedError
+
+    def kernel(self, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+               return_lse=False):
+        return kernels.attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
+                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                 causal=True, return_lse=return_lse, **self.kernel_options)
 
 
 def load_balanced_order(seq_len: int, context: int) -> np.ndarray:

@@ -32,7 +32,7 @@ def dense_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
 
     allowed = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     if causal:
-        allowed &= q_positions[:, :, None] >= kv_positions[:, None, :]
+        allowed = allowed & (q_positions[:, :, None] >= kv_positions[:, None, :])
     allowed = allowed[:, None]  # [b, 1, sq, skv], broadcast over heads
 
     # Softmax written out so that empty rows give 0 / -inf with zero gradients.

@@ -103,3 +103,12 @@ def test_cli_reports_bad_input_in_one_line_and_exits_2(args, words, tmp_path):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0]
+
+
+def test_readme_recipe_reference_is_current():
+    from pathlib import Path
+
+    from lctrain.recipes.reference import recipe_reference
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert recipe_reference() in readme, "run: python -m lctrain.recipes.reference"
