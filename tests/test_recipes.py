@@ -95,7 +95,7 @@ def test_batch_must_split_over_data_parallel_devices():
     (["run", "--set", "data.seq_len=abc"], "'data.seq_len': got 'abc'"),
     (["run", "--set", "mesh.data=3"], "multiply to 3 but there are 8 devices"),
     (["run", "--set", "mesh.context=2"], "needs mesh.context = 1"),
-    (["run", "--set", "data.batch_size=4"], "'data.batch_size' = 4: must be divisible by 8"),
+    (["run", "--set", "data.batch_size=4"], "'data.batch_size' = 4: must be divisible by mesh.data"),
     (["run", "no-such-recipe.yaml"], "does not exist"),
 ])
 def test_cli_reports_bad_input_in_one_line_and_exits_2(args, words, tmp_path):
