@@ -144,8 +144,9 @@ def _f32_bounds(tol=F32_TOL):
 
 # ------------------------------------------------------------------ tests ----
 
+# Non-causal GQA is covered at ratio 4 here and in the packed / sq != skv tests.
 @pytest.mark.parametrize("gqa,causal", [(1, True), (2, True), (4, True), (4, False),
-                                        (8, True), (8, False)])
+                                        (8, True)])
 def test_gqa_ratios(gqa, causal):
     """hq = 8 query heads over 8 // gqa kv heads, s = 96 in 32-blocks; bound F32_TOL."""
     q, k, v = _qkv(gqa, hkv=HQ // gqa)
