@@ -171,7 +171,7 @@ def _attention_grads_step(dq, kv_block, *, q, dout, lse, delta, dlse, q_pos, q_s
 def _group_heads(x, hkv):
     """[b, s, hq, d] -> [b, s, hkv, g, d]; query head i -> (i // g, i % g)."""
     b, s, hq, d = x.shape
-    return jnp.swapaxes(x.reshape(b, s, hq // hkv, hkv, d), 2, 3)
+    return x.reshape(b, s, hkv, hq // hkv, d)
 
 
 def _kv_blocks(k, v, kv_pos, kv_seg, block_kv):
