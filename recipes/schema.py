@@ -133,6 +133,16 @@ class RematConfig:
 
 
 @dataclass
+class LossConfig:
+    chunk_tokens: int | None = option(
+        None, "Tokens per chunk of the cross-entropy: the logits exist one chunk at a time "
+              "(forward and backward); 0 computes them whole; null picks from data.seq_len.")
+    impl: Literal["xla", "tokamax"] = option(
+        "xla", "xla: chunked cross-entropy under remat; tokamax: its fused linear + softmax "
+               "cross-entropy kernel (TPU).")
+
+
+@dataclass
 class CheckpointConfig:
     every: int = option(100, "Save every N steps (and always at the end); 0 saves only at the end.")
     keep: int = option(3, "Checkpoints kept on disk; older ones are deleted.")
@@ -154,6 +164,7 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     remat: RematConfig = field(default_factory=RematConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
