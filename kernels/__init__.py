@@ -1,14 +1,17 @@
 """Attention kernels: the single entry point every context-parallel strategy calls.
 
 `attention` validates shapes and dispatches to an implementation by name. Each
-implementation has the signature
+implementation is a `Kernel`: a differentiable forward with the signature
 
-    fn(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-       *, causal, block_q, block_kv) -> (out, lse)
+    forward(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+            *, causal, block_q, block_kv) -> (out, lse)
 
+and the backward of one kv block given the rows' final out and lse (for ring attention),
 so adding a backend ("pallas", "splash") is one entry in `_IMPLS`. impl="auto"
 (a recipe option) picks the best registered backend for the platform.
 """
+
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +19,15 @@ import jax.numpy as jnp
 from . import xla
 from .masks import attention_mask
 
+class Kernel(NamedTuple):
+    """A backend: the differentiable attention, and the backward of one kv block given the
+    final out/lse of its rows (what ring attention's custom backward needs)."""
+    forward: Callable
+    block_backward: Callable
+
+
 _IMPLS = {
-    "xla": xla.flash_attention,
+    "xla": Kernel(xla.flash_attention, xla.flash_attention_backward),
 }
 
 IMPLS = tuple(_IMPLS)
@@ -59,10 +69,11 @@ def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_i
       return_lse. Rows with no allowed key get out = 0 and lse = -inf.
       Differentiable w.r.t. q, k, v and through lse.
     """
-    fn = _IMPLS[resolve_impl(impl)]
+    kernel = _IMPLS[resolve_impl(impl)]
     _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    out, lse = fn(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                  causal=causal, block_q=block_q, block_kv=block_kv)
+    out, lse = kernel.forward(q, k, v, q_positions, kv_positions, q_segment_ids,
+                              kv_segment_ids, causal=causal, block_q=block_q,
+                              block_kv=block_kv)
     return (out, lse) if return_lse else out
 
 
@@ -90,4 +101,15 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
             raise ValueError(f"{name} must be integer, got {x.dtype}")
 
 
-__all__ = ["IMPLS", "attention", "attention_mask", "resolve_impl"]
+def attention_block_backward(q, k, v, out, lse, dout, *, q_positions, kv_positions,
+                             q_segment_ids, kv_segment_ids, causal=True, impl="xla",
+                             block_q=512, block_kv=512):
+    """(dq, dk, dv) of attention between q and one kv block, where `out` [b, sq, hq, d] and
+    `lse` [b, hq, sq] are the rows' results over ALL kv blocks (merged by the caller)."""
+    kernel = _IMPLS[resolve_impl(impl)]
+    return kernel.block_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
+                                 q_segment_ids, kv_segment_ids, causal=causal,
+                                 block_q=block_q, block_kv=block_kv)
+
+
+__all__ = ["IMPLS", "attention", "attention_block_backward", "attention_mask", "resolve_impl"]

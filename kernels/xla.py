@@ -267,3 +267,20 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     block_kv = largest_divisor_at_most(k.shape[1], block_kv)
     return _flash(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                   bool(causal), block_q, block_kv)
+
+
+def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
+                             q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
+                             block_kv=512):
+    """dq, dk, dv of one (q, kv) block pair given the FINAL out and lse of the rows.
+
+    A ring step calls this with the out and lse merged over all kv blocks: then
+    p = exp(s - lse) is this block's share of the global softmax, and the result is
+    exactly this block's contribution to the gradients.
+    """
+    block_q = largest_divisor_at_most(q.shape[1], block_q)
+    block_kv = largest_divisor_at_most(k.shape[1], block_kv)
+    residuals = (q, k, v, out, lse, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    dq, dk, dv, *_ = _backward(bool(causal), block_q, block_kv, residuals,
+                               (dout, jnp.zeros_like(lse)))
+    return dq, dk, dv

@@ -375,3 +375,30 @@ def test_unknown_impl_and_bad_shapes_raise():
         attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2), **kw)
     with pytest.raises(ValueError, match="kv_positions"):
         attention(q, k, v, **{**kw, "kv_positions": _arange(31)})
+
+
+def test_block_backward_with_merged_statistics_sums_to_the_full_gradient():
+    """Splitting kv in two and calling the block backward with the FULL out/lse for each
+    half gives the gradient of attention over the whole kv (what ring attention does)."""
+    from lctrain.kernels import attention_block_backward
+
+    rng = np.random.default_rng(3)
+    b, s, hq, hkv, d = 1, 32, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32)
+               for h in (hq, hkv, hkv))
+    dout = jnp.asarray(rng.standard_normal((b, s, hq, d)), jnp.float32)
+    pos = jnp.arange(s, dtype=jnp.int32)[None]
+    seg = jnp.ones((b, s), jnp.int32)
+    common = dict(q_positions=pos, q_segment_ids=seg, block_q=8, block_kv=8)
+    out, lse = attention(q, k, v, kv_positions=pos, kv_segment_ids=seg, return_lse=True,
+                         **common)
+    _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, kv_positions=pos,
+                                               kv_segment_ids=seg, **common), q, k, v)
+    dq_full, dk_full, dv_full = vjp(dout)
+    halves = [slice(0, s // 2), slice(s // 2, s)]
+    parts = [attention_block_backward(q, k[:, h], v[:, h], out, lse, dout,
+                                      kv_positions=pos[:, h], kv_segment_ids=seg[:, h], **common)
+             for h in halves]
+    np.testing.assert_allclose(parts[0][0] + parts[1][0], dq_full, atol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate([parts[0][1], parts[1][1]], 1), dk_full, atol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate([parts[0][2], parts[1][2]], 1), dv_full, atol=1e-5)
