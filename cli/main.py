@@ -27,9 +27,12 @@ def fail(message: str) -> None:
 
 
 def use_fake_cpu_devices(count: int) -> None:
+    """Fake devices are CPU devices: pin the platform too, so an installed libtpu (used for
+    ahead-of-time TPU compiles) does not go looking for a TPU first."""
     if count > 0:
         flag = f"--xla_force_host_platform_device_count={count}"
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def default_run_dir(recipe_path: Optional[str]) -> Path:

@@ -9,11 +9,14 @@ from lctrain.recipes.schema import Recipe, RecipeError
 from .all_gather import AllGather
 from .mesh import MESH_AXES, build_mesh
 from .none import NoContextParallel
+from .ring import Ring
 from .strategy import ContextStrategy, load_balanced_order
 from .ulysses import Ulysses
+from .usp import UnifiedSequenceParallel
 
 STRATEGIES: dict[str, type[ContextStrategy]] = {
-    strategy.name: strategy for strategy in (NoContextParallel, AllGather, Ulysses)
+    strategy.name: strategy for strategy in (NoContextParallel, AllGather, Ulysses, Ring,
+                                   UnifiedSequenceParallel)
 }
 
 

@@ -18,7 +18,7 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "vocab": "tensor",
     "batch": ("data", "fsdp"),
-    "sequence": "context",
+    "sequence": ("context", "ulysses"),
 }
 
 

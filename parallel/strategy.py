@@ -29,7 +29,7 @@ class ContextStrategy:
 
     def __init__(self, recipe: Recipe, mesh: Mesh):
         self.mesh = mesh
-        self.context = mesh.shape["context"]
+        self.context = mesh.shape["context"] * mesh.shape["ulysses"]
         self.kernel_options = dict(impl=recipe.attention.impl, block_q=recipe.attention.block_q,
                                    block_kv=recipe.attention.block_kv)
         self.load_balance = recipe.parallel.load_balance and self.context > 1

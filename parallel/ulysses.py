@@ -52,15 +52,19 @@ class Ulysses(ContextStrategy):
         check_ulysses_degree(recipe, axis_sizes, axis_sizes["context"], "mesh.context")
 
     def local_attention(self, q, k, v, positions, segment_ids):
-        return ulysses_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS, self.kernel)
+        def attend(q, k, v, positions, segment_ids):
+            return self.kernel(q, k, v, positions, positions, segment_ids, segment_ids)
+
+        return ulysses_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS, attend)
 
 
 def ulysses_attention(q, k, v, positions, segment_ids, axis_name, attend_full_sequence):
-    """Ulysses over `axis_name`; `attend_full_sequence` does the per-head-group work."""
+    """Ulysses over `axis_name`; `attend_full_sequence(q, k, v, positions, segment_ids)`
+    does the work for this device's group of heads."""
     degree = jax.lax.axis_size(axis_name)
     k, v = (repeat_kv_heads_for(degree, k.shape[2], x) for x in (k, v))
     q, k, v = (sequence_to_heads(x, axis_name) for x in (q, k, v))
     positions, segment_ids = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
                               for x in (positions, segment_ids))
-    out = attend_full_sequence(q, k, v, positions, positions, segment_ids, segment_ids)
+    out = attend_full_sequence(q, k, v, positions, segment_ids)
     return heads_to_sequence(out, axis_name)

@@ -215,6 +215,9 @@ def _validate_mesh(recipe: Recipe) -> None:
                  "parallel.strategy 'none' needs mesh.context = 1; pick a context-parallel "
                  "strategy (all_gather, ulysses, ring, usp, auto)")
     _require(p.ulysses >= 1, "parallel.ulysses", p.ulysses, "must be >= 1")
+    if p.strategy != "usp":
+        _require(p.ulysses == 1, "parallel.ulysses", p.ulysses,
+                 f"only used with parallel.strategy=usp (strategy is '{p.strategy}')")
 
 
 def _validate_remat(recipe: Recipe) -> None:

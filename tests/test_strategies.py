@@ -81,17 +81,23 @@ MESHES = {
 # natural (unbalanced) order. Each case compiles a full forward and backward, so the
 # matrix is kept to what can differ.
 CASES = [(strategy, mesh, heads, load_balance)
-         for strategy in ("all_gather", "ulysses")
+         for strategy in ("all_gather", "ulysses", "ring")
          for mesh, heads, load_balance in [
              *[(mesh, 2, True) for mesh in MESHES],
              ("context8", 8, True), ("context8", 2, False), ("context8", 8, False)]]
+# usp: Ulysses degree x ring degree over the 8 devices, both ways round.
+USP_CASES = [(ulysses, heads, load_balance) for ulysses in (2, 4)
+             for heads, load_balance in [(2, True), (8, True), (2, False)]]
 
 
 @pytest.mark.parametrize("strategy, mesh, heads, load_balance", CASES)
 def test_strategy_matches_single_device(reference, strategy, mesh, heads, load_balance):
-    loss, grads = loss_and_grads(recipe_for(strategy, MESHES[mesh], heads, load_balance),
-                                 jax.devices())
-    reference_loss, reference_grads = reference[heads]
+    recipe = recipe_for(strategy, MESHES[mesh], heads, load_balance)
+    assert_matches(reference[heads], *loss_and_grads(recipe, jax.devices()))
+
+
+def assert_matches(reference, loss, grads):
+    reference_loss, reference_grads = reference
     assert loss == pytest.approx(reference_loss, rel=RTOL)
     for (path, ours), expected in zip(jax.tree_util.tree_leaves_with_path(grads),
                                       jax.tree.leaves(reference_grads)):
@@ -99,8 +105,34 @@ def test_strategy_matches_single_device(reference, strategy, mesh, heads, load_b
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("ulysses, heads, load_balance", USP_CASES)
+def test_usp_matches_single_device(reference, ulysses, heads, load_balance):
+    recipe = recipe_for("usp", MESHES["context8"], heads, load_balance,
+                        extra=[f"parallel.ulysses={ulysses}"])
+    assert_matches(reference[heads], *loss_and_grads(recipe, jax.devices()))
+
+
 def test_load_balanced_order_pairs_chunks_from_both_ends():
     order = load_balanced_order(16, 4)  # 8 chunks of 2 tokens
     chunks = order.reshape(8, 2)[:, 0] // 2
     assert chunks.tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
     assert sorted(order.tolist()) == list(range(16))
+
+
+@pytest.mark.parametrize("overrides, context, expected", [
+    ([], 8, ("all_gather", 1)),
+    (["model.preset=llama3.1-8b", "data.seq_len=1048576", "data.batch_size=1"], 8,
+     ("ulysses", 1)),
+    (["model.preset=llama3.1-8b", "data.seq_len=1048576", "data.batch_size=1"], 64,
+     ("usp", 32)),
+    (["model.preset=llama3.1-8b", "model.n_heads=4", "model.n_kv_heads=1", "model.d_model=512",
+      "data.seq_len=8388608", "data.batch_size=1"], 64, ("ring", 1)),
+])
+def test_auto_strategy_choice(overrides, context, expected):
+    from lctrain.parallel.auto import choose_strategy
+
+    recipe = load_recipe(None, overrides)
+    sizes = {"data": 1, "fsdp": 1, "context": context, "tensor": 1}
+    strategy, ulysses, reason = choose_strategy(recipe, sizes, device_memory=95 * 2**30)
+    assert (strategy, ulysses) == expected
+    assert "GiB" in reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from lctrain.parallel import build_mesh, make_strategy, strategy_class
+from lctrain.parallel.auto import resolve_auto
 from lctrain.recipes import Recipe, check_against_devices
 
 from .checkpoint import Checkpointer
@@ -21,12 +23,24 @@ from .model import count_parameters
 from .step import BATCH_FIELDS, TrainState, build_trainable, batch_shardings, make_train_step
 
 
-def mesh_for(recipe: Recipe, devices=None) -> Mesh:
-    """Validates the recipe against the devices (RecipeError before any compile), builds the mesh."""
+def mesh_for(recipe: Recipe, devices=None, console: Console | None = None) -> Mesh:
+    """Validates the recipe against the devices (RecipeError before any compile), resolves
+    parallel.strategy=auto (saying why), and builds the mesh."""
     devices = jax.devices() if devices is None else devices
     sizes = check_against_devices(recipe, len(devices))
+    choice = resolve_auto(recipe, sizes, device_memory_bytes(devices))
+    if choice and console:
+        console.print(choice, soft_wrap=True)
     strategy_class(recipe).check(recipe, sizes)
-    return build_mesh(sizes, devices)
+    return build_mesh(sizes, recipe.parallel.ulysses, devices)
+
+
+def device_memory_bytes(devices) -> int:
+    """Memory of one device: the allocator's limit on accelerators, a share of RAM on CPU."""
+    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(devices)
 
 
 def device_batch(batch: Batch, order: np.ndarray | None, mesh: Mesh) -> dict[str, jax.Array]:
@@ -47,7 +61,7 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None) -> list
     metrics records it logged."""
     console = console or Console()
     is_main = jax.process_index() == 0
-    mesh = mesh_for(recipe)
+    mesh = mesh_for(recipe, console=console)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed)
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)

@@ -1,0 +1,38 @@
+"""usp (Unified Sequence Parallelism): Ulysses inside a group of chips, ring across groups.
+
+mesh.context = parallel.ulysses x ring degree. The all-to-all runs over the 'ulysses'
+mesh axis (put it on the fastest links), so each group holds its part of the sequence
+for a subset of heads; ring attention then runs over the 'context' axis between groups.
+The Ulysses degree is capped by the heads; the ring takes the rest of the sequence.
+"""
+
+from __future__ import annotations
+
+from lctrain.parallel.ring import ring_attention
+from lctrain.parallel.strategy import CONTEXT_AXIS, ContextStrategy
+from lctrain.parallel.ulysses import check_ulysses_degree, ulysses_attention
+from lctrain.recipes.schema import Recipe, RecipeError
+
+ULYSSES_AXIS = "ulysses"
+
+
+class UnifiedSequenceParallel(ContextStrategy):
+    name = "usp"
+
+    @classmethod
+    def check(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> None:
+        ulysses, context = recipe.parallel.ulysses, axis_sizes["context"]
+        if context % ulysses:
+            raise RecipeError(
+                f"recipe key 'parallel.ulysses' = {ulysses}: must divide mesh.context "
+                f"({context}); the ring degree is mesh.context / parallel.ulysses")
+        check_ulysses_degree(recipe, axis_sizes, ulysses, "parallel.ulysses")
+
+    def local_attention(self, q, k, v, positions, segment_ids):
+        options = tuple(sorted(self.kernel_options.items()))
+
+        def ring_over_groups(q, k, v, positions, segment_ids):
+            return ring_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS, options)
+
+        return ulysses_attention(q, k, v, positions, segment_ids, ULYSSES_AXIS,
+                                 ring_over_groups)
