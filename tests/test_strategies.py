@@ -125,7 +125,7 @@ def test_load_balanced_order_pairs_chunks_from_both_ends():
      ("ulysses", 1)),
     (["model.preset=llama3.1-8b", "data.seq_len=1048576", "data.batch_size=1"], 64,
      ("usp", 32)),
-    (["model.preset=llama3.1-8b", "model.n_heads=4", "model.n_kv_heads=1", "model.d_model=512",
+    (["model.preset=llama3.1-8b", "model.n_heads=3", "model.n_kv_heads=1", "model.d_model=384",
       "data.seq_len=8388608", "data.batch_size=1"], 64, ("ring", 1)),
 ])
 def test_auto_strategy_choice(overrides, context, expected):

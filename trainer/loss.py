@@ -1,21 +1,123 @@
-"""Next-token cross-entropy from the final hidden states, masked by document."""
+"""Next-token cross-entropy from the final hidden states, masked by document.
+
+At long context the logits are the largest tensor of the whole step (128K tokens x 128,256
+vocabulary x 4 bytes = 67 GB per chip), so by default they never exist whole: the sequence
+is cut into chunks, a `lax.scan` computes one chunk's logits at a time, and the scan body
+is rematerialised (`jax.checkpoint`), so backward recomputes each chunk's logits instead
+of keeping them from forward. Forward and backward hold one chunk of logits at a time.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from lctrain.recipes.schema import LossConfig
+
+# loss.chunk_tokens = null: chunks of up to this many tokens per sequence. One chunk's f32
+# logits then take batch x 4096 x vocab x 4 bytes before sharding (2 GB for one Llama 3
+# row), while the matmuls stay large enough to keep the chip busy.
+DEFAULT_CHUNK_TOKENS = 4096
+
 
 def next_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
-                    loss_mask: jax.Array, z_loss: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                    loss_mask: jax.Array, z_loss: float = 0.0,
+                    config: LossConfig | None = None,
+                    sequence_shards: int = 1) -> tuple[jax.Array, jax.Array]:
     """Returns (sum of per-token losses, number of counted tokens).
 
+    hidden [b, s, e] and output_weights [e, v] give the logits; targets and loss_mask are
+    [b, s]. Each counted token adds logsumexp - target logit + z_loss * logsumexp^2.
     Sums rather than a mean, so micro-batches and shards add up exactly to the full batch.
+    `config` (the recipe's `loss` section; default: LossConfig()) picks the chunk size;
+    `sequence_shards` is how many devices the sequence is split over (mesh.context), so
+    every chunk takes its tokens evenly from all of them.
     """
-    logits = jnp.einsum("bse,ev->bsv", hidden, output_weights.astype(hidden.dtype),
+    config = config or LossConfig()
+    if config.impl == "tokamax":
+        # tokamax 0.0.12's linear_softmax_cross_entropy_loss only returns the sum over all
+        # tokens: no per-token mask (packed documents, padding) and no z-loss; its Pallas
+        # kernel also needs a shard_map around it and an attached TPU to pick block sizes.
+        raise NotImplementedError(
+            "loss.impl=tokamax is not available yet (tokamax's fused cross-entropy has no "
+            "loss mask or z-loss); use loss.impl=xla, which is chunked as well")
+    # Cast once here, not once per chunk inside the loop.
+    output_weights = output_weights.astype(hidden.dtype)
+    chunk_tokens = resolve_chunk_tokens(config.chunk_tokens, hidden.shape[1])
+    if chunk_tokens == hidden.shape[1]:
+        per_token = _per_token_loss(hidden, output_weights, targets, z_loss)
+    else:
+        per_token, loss_mask = _chunked_per_token_loss(
+            hidden, output_weights, targets, loss_mask, z_loss, chunk_tokens, sequence_shards)
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.sum(per_token * mask), jnp.sum(mask)
+
+
+def resolve_chunk_tokens(chunk_tokens: int | None, seq_len: int) -> int:
+    """Tokens per chunk for loss.chunk_tokens; seq_len means one chunk (unchunked).
+
+    None picks min(seq_len, DEFAULT_CHUNK_TOKENS); 0 and anything >= seq_len mean unchunked.
+    """
+    if chunk_tokens is None:
+        chunk_tokens = DEFAULT_CHUNK_TOKENS
+    if chunk_tokens < 0:
+        raise ValueError(f"loss.chunk_tokens must be >= 0 (0 = unchunked), got {chunk_tokens}")
+    return seq_len if chunk_tokens == 0 else min(chunk_tokens, seq_len)
+
+
+def _per_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
+                    z_loss: float) -> jax.Array:
+    """Unmasked loss of every token [..., s]; the logits [..., s, v] are f32."""
+    logits = jnp.einsum("...se,ev->...sv", hidden, output_weights,
                         preferred_element_type=jnp.float32)
     log_partition = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    per_token = log_partition - target_logit + z_loss * jnp.square(log_partition)
-    mask = loss_mask.astype(jnp.float32)
-    return jnp.sum(per_token * mask), jnp.sum(mask)
+    return log_partition - target_logit + z_loss * jnp.square(log_partition)
+
+
+def _chunked_per_token_loss(hidden, output_weights, targets, loss_mask, z_loss,
+                            chunk_tokens: int, shards: int) -> tuple[jax.Array, jax.Array]:
+    """Per-token losses and the mask, both [n_chunks, b, chunk_len], one chunk at a time.
+
+    Each of the `shards` contiguous parts of the sequence (one per device when it is
+    sharded over the context axis) is cut into the same n_chunks strided pieces: piece k
+    holds the part's tokens k, k + n_chunks, k + 2 n_chunks, ...; chunk k is piece k of
+    every part. So every chunk takes its tokens from every device's own part of the
+    sequence, and each device computes the logits of its own tokens, as in the unchunked
+    loss. (Contiguous chunks would each live on one device: the scan would keep the others
+    idle or move tokens between devices.) Which chunk a token lands in does not change
+    the sum.
+
+    A part of s / shards tokens is cut into n_chunks pieces of at most
+    chunk_tokens / shards tokens; when n_chunks does not divide the part, each part is
+    padded at its end with fewer than n_chunks masked tokens: the padding stays on its
+    device, where padding the whole sequence would shift tokens across devices.
+    """
+    b, s = targets.shape
+    if s % shards:
+        raise ValueError(f"sequence length {s} is not divisible by sequence_shards={shards}")
+    part_len = s // shards
+    piece_limit = max(chunk_tokens // shards, 1)   # a chunk has >= 1 token of every part
+    n_chunks = -(-part_len // piece_limit)
+    piece_len = -(-part_len // n_chunks)
+    padding = n_chunks * piece_len - part_len
+
+    def to_chunks(x):  # [b, s, ...] -> [n_chunks, b, shards * piece_len, ...]
+        rest = x.shape[2:]
+        x = x.reshape(b, shards, part_len, *rest)
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, padding)] + [(0, 0)] * len(rest))
+        x = jnp.moveaxis(x.reshape(b, shards, piece_len, n_chunks, *rest), 3, 0)
+        return x.reshape(n_chunks, b, shards * piece_len, *rest)
+
+    # Remat: backward keeps only each chunk's inputs and recomputes its logits. prevent_cse
+    # is only needed outside a scan (the docs recommend False inside one).
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk_loss(carry, chunk):
+        chunk_hidden, chunk_targets = chunk
+        return carry, _per_token_loss(chunk_hidden, output_weights, chunk_targets, z_loss)
+
+    _, per_token = jax.lax.scan(chunk_loss, None, (to_chunks(hidden), to_chunks(targets)))
+    # Padding gets mask 0 (and target 0, a valid index), so it adds nothing to loss or grads.
+    return per_token, to_chunks(loss_mask)

@@ -79,7 +79,8 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrat
         hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
                        attend=strategy.attend, remat_policy=policy)
         return next_token_loss(hidden, model.output_weights(), batch["targets"],
-                               batch["loss_mask"], recipe.train.z_loss)
+                               batch["loss_mask"], recipe.train.z_loss, recipe.loss,
+                               sequence_shards=recipe.mesh.context)
 
     sums_and_grads = jax.value_and_grad(loss_sums, has_aux=True)
 
