@@ -111,3 +111,26 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     assert sorted(got) == list(range(1, 31))
     np.testing.assert_array_equal([got[s] for s in range(1, 31)],
                                   [expected[s] for s in range(1, 31)])
+
+
+FIRST_5 = ["train.steps=5", "train.warmup_steps=1", "runtime.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def one_device_losses(tmp_path_factory):
+    records = train(load_recipe(None, FIRST_5), tmp_path_factory.mktemp("one"),
+                    devices=jax.devices()[:1])
+    return [r["loss"] for r in records]
+
+
+@pytest.mark.parametrize("strategy, extra", [
+    ("all_gather", []), ("ulysses", []), ("ring", []), ("usp", ["parallel.ulysses=2"]),
+    ("auto", []),
+])
+def test_every_strategy_trains_like_one_device(tmp_path, one_device_losses, strategy, extra):
+    """The default recipe on mesh.context=8: the first 5 losses equal those of strategy
+    none on a single device (to 1e-4, as the issue asks; f32 gives ~1e-6)."""
+    recipe = load_recipe(None, FIRST_5 + [f"parallel.strategy={strategy}", "mesh.context=8",
+                                          *extra])
+    records = train(recipe, tmp_path)
+    np.testing.assert_allclose([r["loss"] for r in records], one_device_losses, rtol=1e-4)

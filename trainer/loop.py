@@ -56,12 +56,13 @@ def device_batch(batch: Batch, order: np.ndarray | None, mesh: Mesh) -> dict[str
     return arrays
 
 
-def train(recipe: Recipe, run_dir: Path, console: Console | None = None) -> list[dict]:
-    """Trains to recipe.train.steps, resuming from run_dir's latest checkpoint; returns the
-    metrics records it logged."""
+def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
+          devices=None) -> list[dict]:
+    """Trains to recipe.train.steps on `devices` (default: all), resuming from run_dir's
+    latest checkpoint; returns the metrics records it logged."""
     console = console or Console()
     is_main = jax.process_index() == 0
-    mesh = mesh_for(recipe, console=console)
+    mesh = mesh_for(recipe, devices, console)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed)
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)
@@ -99,7 +100,8 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
     total = recipe.train.steps
     tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
     flops_per_step = training_flops_per_token(recipe.model, recipe.data.seq_len) * tokens_per_step
-    peak = peak_flops(jax.devices()[0].device_kind)
+    devices = mesh.devices.flatten()
+    peak = peak_flops(devices[0].device_kind)
     records = []
     step = first_step = int(state.step)
     window_start, window_steps = time.perf_counter(), 0
@@ -118,7 +120,7 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
             step_time = (time.perf_counter() - window_start) / max(window_steps, 1)
             metrics.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time)
             if peak:
-                metrics["mfu"] = flops_per_step / step_time / (peak * jax.device_count())
+                metrics["mfu"] = flops_per_step / step_time / (peak * len(devices))
             writer.write(step, total, metrics)
             records.append({"step": step, **metrics})
             window_start, window_steps = time.perf_counter(), 0
