@@ -1,6 +1,8 @@
 """The backbone: every context-parallel strategy on every mesh gives the single-device
 loss and gradients of the same model, weights and batch (f32)."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from lctrain.trainer.data import Batch
 from lctrain.trainer.loop import device_batch, mesh_for
 from lctrain.trainer.loss import next_token_loss
 from lctrain.trainer.model import Transformer
+from lctrain.trainer.step import BATCH_FIELDS
 from lctrain.trainer.remat import remat_policy
 
 SEQ, BATCH = 64, 4
@@ -42,8 +45,10 @@ def loss_and_grads(recipe, devices):
     strategy = make_strategy(recipe, mesh)
     graphdef, state = nnx.split(Transformer(recipe.model, nnx.Rngs(3)))
     params = nnx.to_pure_dict(state)
-    batch = device_batch(mixed_batch(recipe.model.vocab),
-                         strategy.sequence_order(recipe.data.seq_len), mesh)
+    fixed = mixed_batch(recipe.model.vocab)
+    source = SimpleNamespace(cfg=recipe.data, batch=lambda index, rows: Batch(
+        *(getattr(fixed, name)[rows] for name in BATCH_FIELDS)))
+    batch = device_batch(source, 0, strategy.sequence_order(recipe.data.seq_len), mesh)
 
     def mean_loss(params):
         model = nnx.merge(graphdef, params)

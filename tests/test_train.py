@@ -28,8 +28,7 @@ def run_steps(recipe, devices, steps=3):
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed)
     losses = []
     for index in range(steps):
-        batch = device_batch(source.batch(index), strategy.sequence_order(recipe.data.seq_len),
-                             mesh)
+        batch = device_batch(source, index, strategy.sequence_order(recipe.data.seq_len), mesh)
         state, metrics = step_fn(state, batch)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(state.params)
@@ -134,3 +133,20 @@ def test_every_strategy_trains_like_one_device(tmp_path, one_device_losses, stra
                                           *extra])
     records = train(recipe, tmp_path)
     np.testing.assert_allclose([r["loss"] for r in records], one_device_losses, rtol=1e-4)
+
+
+def test_device_batch_reads_only_what_each_shard_needs():
+    """Rows come from the source once per row range, reordered for load balancing."""
+    recipe = load_recipe(None, ["parallel.strategy=ring", "mesh.data=2", "mesh.context=4",
+                                "data.seq_len=64"])
+    mesh = mesh_for(recipe)
+    source = make_source(recipe.data, vocab=recipe.model.vocab, seed=0)
+    calls = []
+    original = source.batch
+    source.batch = lambda index, rows=None: calls.append(rows) or original(index, rows)
+    order = make_strategy(recipe, mesh).sequence_order(64)
+    batch = device_batch(source, 3, order, mesh)
+    assert sorted((s.start, s.stop) for s in calls) == [(0, 4), (4, 8)]
+    np.testing.assert_array_equal(np.asarray(batch["inputs"]), original(3).inputs[:, order])
+    np.testing.assert_array_equal(np.asarray(batch["positions"]),
+                                  original(3).positions[:, order])

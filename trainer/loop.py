@@ -17,7 +17,7 @@ from lctrain.parallel.auto import resolve_auto
 from lctrain.recipes import Recipe, check_against_devices
 
 from .checkpoint import Checkpointer
-from .data import Batch, make_source
+from .data import Batch, DataSource, make_source
 from .metrics import MetricsWriter, peak_flops, training_flops_per_token
 from .model import count_parameters
 from .step import BATCH_FIELDS, TrainState, build_trainable, batch_shardings, make_train_step
@@ -43,17 +43,29 @@ def device_memory_bytes(devices) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(devices)
 
 
-def device_batch(batch: Batch, order: np.ndarray | None, mesh: Mesh) -> dict[str, jax.Array]:
-    """Host batch -> sharded global arrays, in the strategy's token order."""
+def device_batch(source: DataSource, index: int, order: np.ndarray | None,
+                 mesh: Mesh) -> dict[str, jax.Array]:
+    """Global batch `index` as sharded arrays, in the strategy's token order.
+
+    Each process reads only the rows its own devices hold (once per row range, shared by
+    every field and sequence shard), so a multi-host job never loads the whole batch.
+    """
+    shape = (source.cfg.batch_size, source.cfg.seq_len)
+    read: dict[tuple[int, int], Batch] = {}
+
+    def rows(row_slice: slice) -> Batch:
+        start, stop, _ = row_slice.indices(shape[0])
+        if (start, stop) not in read:
+            batch = source.batch(index, rows=slice(start, stop))
+            read[start, stop] = batch if order is None else Batch(
+                *(getattr(batch, name)[:, order] for name in BATCH_FIELDS))
+        return read[start, stop]
+
     shardings = batch_shardings(mesh)
-    arrays = {}
-    for name in BATCH_FIELDS:
-        host = getattr(batch, name)
-        if order is not None:
-            host = host[:, order]
-        arrays[name] = jax.make_array_from_callback(host.shape, shardings[name],
-                                                    lambda index, host=host: host[index])
-    return arrays
+    return {name: jax.make_array_from_callback(
+                shape, shardings[name],
+                lambda shard, name=name: getattr(rows(shard[0]), name)[:, shard[1]])
+            for name in BATCH_FIELDS}
 
 
 def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
@@ -106,7 +118,7 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
     step = first_step = int(state.step)
     window_start, window_steps = time.perf_counter(), 0
     while step < total:
-        batch = device_batch(source.batch(next_batch), order, mesh)
+        batch = device_batch(source, next_batch, order, mesh)
         state, metrics = train_step(state, batch)
         step, next_batch, window_steps = step + 1, next_batch + 1, window_steps + 1
         if step == first_step + 1:
