@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import xla
+from . import pallas, xla
 from .masks import attention_mask
 
 class Kernel(NamedTuple):
@@ -28,6 +28,7 @@ class Kernel(NamedTuple):
 
 _IMPLS = {
     "xla": Kernel(xla.flash_attention, xla.flash_attention_backward),
+    "pallas": Kernel(pallas.flash_attention, pallas.flash_attention_backward),
 }
 
 IMPLS = tuple(_IMPLS)

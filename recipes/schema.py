@@ -23,7 +23,7 @@ def option(default: Any, help: str) -> Any:
 
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(layers=2, d_model=64, n_heads=8, n_kv_heads=2, d_ff=192, vocab=128,
+    "tiny": dict(layers=2, d_model=128, n_heads=8, n_kv_heads=2, d_ff=384, vocab=128,
                  rope_theta=10_000.0, rope_scaling_factor=0.0, tie_embeddings=False),
     "llama3.1-8b": dict(layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
                         vocab=128256, rope_theta=500_000.0, rope_scaling_factor=8.0,

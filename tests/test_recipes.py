@@ -16,7 +16,7 @@ def write(tmp_path, text):
 def test_default_recipe_fills_the_tiny_preset():
     recipe = load_recipe(None)
     assert (recipe.model.layers, recipe.model.d_model, recipe.model.n_heads,
-            recipe.model.n_kv_heads, recipe.model.vocab) == (2, 64, 8, 2, 128)
+            recipe.model.n_kv_heads, recipe.model.vocab) == (2, 128, 8, 2, 128)
     assert recipe.runtime.cpu_devices == 8
 
 
