@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from lctrain.recipes import RecipeError, load_recipe
+from lctrain.trainer.data import DataError  # numpy only: safe before jax is configured
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Long-context language-model training with context parallelism.")
@@ -21,9 +22,10 @@ console = Console()
 error_console = Console(stderr=True)
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr; exit 2 for bad input (nothing was compiled), 1 for a failed run."""
     error_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=code)
 
 
 def use_fake_cpu_devices(count: int) -> None:
@@ -59,12 +61,17 @@ def run(
     overrides = list(set_) + ([f"train.steps={steps}"] if steps is not None else [])
     try:
         loaded = load_recipe(recipe, overrides)
-        use_fake_cpu_devices(loaded.runtime.cpu_devices)
-        from lctrain.trainer.loop import train
-
-        train(loaded, run_dir or default_run_dir(recipe), console)
     except RecipeError as err:
         fail(str(err))
+    use_fake_cpu_devices(loaded.runtime.cpu_devices)
+    from lctrain.trainer.loop import NonFiniteLoss, train
+
+    try:
+        train(loaded, run_dir or default_run_dir(recipe), console)
+    except (RecipeError, DataError) as err:
+        fail(str(err))
+    except NonFiniteLoss as err:
+        fail(str(err), code=1)
 
 
 if __name__ == "__main__":

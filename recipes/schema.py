@@ -90,6 +90,9 @@ class TrainConfig:
     grad_accum_steps: int = option(1, "Micro-batches per optimizer step (batch_size is split).")
     z_loss: float = option(0.0, "Weight of the z-loss (log-partition squared) term.")
     seed: int = option(0, "Seed for parameters and synthetic data.")
+    on_nonfinite: Literal["stop", "skip"] = option(
+        "stop", "A non-finite loss or gradient: stop before anything is saved (naming the "
+                "step), or skip that step's update and go on.")
 
 
 @dataclass

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import yaml
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from rich.console import Console
 
@@ -107,34 +109,101 @@ def _initial_state(trainable, checkpointer: Checkpointer, console: Console):
     return state, next_batch
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradients of a step were not finite and train.on_nonfinite is 'stop'."""
+
+
+class StopSignal:
+    """SIGTERM (what a TPU VM receives before maintenance) asks the loop to checkpoint at the
+    next step boundary and exit cleanly; a second SIGTERM exits at once. Orbax renames a
+    checkpoint only when it is complete, so the last complete one survives either way."""
+
+    def __init__(self):
+        self.received = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self.previous)
+
+    def _handle(self, signum, frame):
+        if self.received:
+            os._exit(128 + signum)
+        self.received = True
+
+    def agreed(self) -> bool:
+        """Whether any process got the signal: all processes must stop at the same step."""
+        if jax.process_count() == 1:
+            return self.received
+        return bool(multihost_utils.process_allgather(np.array(self.received)).any())
+
+
+class Throughput:
+    """Step time, tokens/s and MFU over the steps since the last report, compile excluded."""
+
+    def __init__(self, recipe: Recipe, mesh: Mesh):
+        self.tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
+        self.flops_per_step = (training_flops_per_token(recipe.model, recipe.data.seq_len)
+                               * self.tokens_per_step)
+        devices = mesh.devices.flatten()
+        self.peak = peak_flops(devices[0].device_kind)
+        self.chips = len(devices)
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def report(self) -> dict[str, float]:
+        step_time = (time.perf_counter() - self.start) / max(self.steps, 1)
+        figures = {"step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
+        if self.peak:
+            figures["mfu"] = self.flops_per_step / step_time / (self.peak * self.chips)
+        self.restart()
+        return figures
+
+
 def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order, mesh,
                train_step, checkpointer: Checkpointer, writer: MetricsWriter) -> list[dict]:
-    total = recipe.train.steps
-    tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
-    flops_per_step = training_flops_per_token(recipe.model, recipe.data.seq_len) * tokens_per_step
-    devices = mesh.devices.flatten()
-    peak = peak_flops(devices[0].device_kind)
+    total, console = recipe.train.steps, writer.console
+    throughput = Throughput(recipe, mesh)
     records = []
     step = first_step = int(state.step)
-    window_start, window_steps = time.perf_counter(), 0
-    while step < total:
-        batch = device_batch(source, next_batch, order, mesh)
-        state, metrics = train_step(state, batch)
-        step, next_batch, window_steps = step + 1, next_batch + 1, window_steps + 1
-        if step == first_step + 1:
-            # Keep compilation out of the throughput figures.
-            jax.block_until_ready(metrics)
-            writer.console.print(f"first step (compile + run) took "
-                                 f"{time.perf_counter() - window_start:.1f} s")
-            window_start, window_steps = time.perf_counter(), 0
-        if step % recipe.runtime.log_every == 0 or step == total:
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            step_time = (time.perf_counter() - window_start) / max(window_steps, 1)
-            metrics.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time)
-            if peak:
-                metrics["mfu"] = flops_per_step / step_time / (peak * len(devices))
-            writer.write(step, total, metrics)
-            records.append({"step": step, **metrics})
-            window_start, window_steps = time.perf_counter(), 0
-        checkpointer.save(state, step, next_batch, force=step == total)
+    with StopSignal() as stop:
+        while step < total:
+            state, metrics = train_step(state, device_batch(source, next_batch, order, mesh))
+            step, next_batch = step + 1, next_batch + 1
+            throughput.steps += 1
+            if step == first_step + 1:
+                jax.block_until_ready(metrics)
+                console.print(f"first step (compile + run) took "
+                              f"{time.perf_counter() - throughput.start:.1f} s")
+                throughput.restart()
+            if not bool(metrics["finite"]):
+                _on_nonfinite(recipe, step, metrics, checkpointer, console)
+            if step % recipe.runtime.log_every == 0 or step == total:
+                record = {k: float(v) for k, v in jax.device_get(metrics).items()
+                          if k != "finite"}
+                record.update(throughput.report())
+                writer.write(step, total, record)
+                records.append({"step": step, **record})
+            stopping = stop.agreed()
+            checkpointer.save(state, step, next_batch, force=step == total or stopping)
+            if stopping:
+                console.print(f"SIGTERM: checkpoint saved at step {step}; exiting")
+                break
     return records
+
+
+def _on_nonfinite(recipe: Recipe, step: int, metrics, checkpointer: Checkpointer,
+                  console: Console) -> None:
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    if recipe.train.on_nonfinite == "skip":
+        console.print(f"step {step}: loss {loss} / grad_norm {grad_norm} not finite; "
+                      f"update skipped (train.on_nonfinite=skip)")
+        return
+    raise NonFiniteLoss(
+        f"step {step}: loss {loss} / grad_norm {grad_norm} is not finite; stopped before "
+        f"saving it (latest checkpoint: step {checkpointer.latest_step()}). Lower train.lr, "
+        f"check the data, or set train.on_nonfinite=skip")

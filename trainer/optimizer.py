@@ -14,8 +14,11 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    adamw = optax.adamw(learning_rate_schedule(cfg), b1=0.9, b2=0.95,
-                        weight_decay=cfg.weight_decay)
+    optimizer = optax.adamw(learning_rate_schedule(cfg), b1=0.9, b2=0.95,
+                            weight_decay=cfg.weight_decay)
     if cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
-    return adamw
+        optimizer = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optimizer)
+    if cfg.on_nonfinite == "skip":
+        # Leaves parameters and moments untouched on a step with non-finite gradients.
+        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=2**31 - 1)
+    return optimizer

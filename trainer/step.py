@@ -107,8 +107,9 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrat
         grads = jax.tree.map(lambda g: g / token_count, grad_sums)
         updates, opt_state = trainable.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss_sum / token_count, "grad_norm": optax.tree_utils.tree_l2_norm(grads),
-                   "lr": schedule(state.step)}
+        loss, grad_norm = loss_sum / token_count, optax.tree_utils.tree_l2_norm(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return jax.jit(train_step, in_shardings=(trainable.state_shardings, batch_shardings(mesh)),

@@ -1,0 +1,111 @@
+"""Failures a long run meets: preemption (SIGTERM), non-finite numbers, bad data files."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from lctrain.cli.main import app
+from lctrain.recipes import load_recipe
+from lctrain.trainer import loop
+from lctrain.trainer.optimizer import make_optimizer
+
+
+def logged_steps(run_dir):
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_sigterm_saves_at_the_step_reached_and_resume_continues(tmp_path):
+    command = [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(tmp_path),
+               "--set", "train.steps=60", "--set", "checkpoint.every=1000",
+               "--set", "runtime.log_every=1", "--set", "data.seq_len=64"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, env={**os.environ, "XLA_FLAGS": ""})
+    deadline = time.time() + 120
+    while time.time() < deadline and len(logged_steps(tmp_path)) < 5:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0
+    reached = max(logged_steps(tmp_path))
+    assert 5 <= reached < 60
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [reached] and f"checkpoint saved at step {reached}" in output
+
+    resumed = subprocess.run(command, capture_output=True, text=True,
+                             env={**os.environ, "XLA_FLAGS": ""})
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from checkpoint at step {reached}" in resumed.stdout
+    assert logged_steps(tmp_path)[-(60 - reached):] == list(range(reached + 1, 61))
+
+
+def test_nonfinite_step_stops_before_saving(tmp_path, monkeypatch):
+    real_make_train_step = loop.make_train_step
+
+    def poisoned(*args):
+        step_fn = real_make_train_step(*args)
+
+        def step(state, batch):
+            state, metrics = step_fn(state, batch)
+            return state, {**metrics, "finite": metrics["finite"] & (state.step != 3)}
+        return step
+
+    monkeypatch.setattr(loop, "make_train_step", poisoned)
+    recipe = load_recipe(None, ["train.steps=10", "train.warmup_steps=1", "checkpoint.every=2",
+                                "data.seq_len=64"])
+    with pytest.raises(loop.NonFiniteLoss, match=r"^step 3: .*latest checkpoint: step 2"):
+        loop.train(recipe, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+def test_skip_leaves_parameters_and_moments_untouched():
+    recipe = load_recipe(None, ["train.on_nonfinite=skip"])
+    optimizer = make_optimizer(recipe.train)
+    params = {"w": jnp.ones(3)}
+    state = optimizer.init(params)
+    bad = {"w": jnp.array([1.0, jnp.nan, 0.0])}
+    updates, after_bad = optimizer.update(bad, state, params)
+    np.testing.assert_array_equal(updates["w"], 0.0)
+    for before, after in zip(jax.tree.leaves(state), jax.tree.leaves(after_bad)):
+        if jnp.issubdtype(jnp.asarray(before).dtype, jnp.floating):
+            np.testing.assert_array_equal(before, after)
+    _, after_good = optimizer.update({"w": jnp.ones(3)}, after_bad, params)
+    changed = [not np.array_equal(before, after) for before, after in
+               zip(jax.tree.leaves(after_bad), jax.tree.leaves(after_good))]
+    assert any(changed)  # a finite step does update the moments
+
+
+def bad_token_file(kind, directory):
+    path = directory / {"missing": "missing.bin", "empty": "empty.bin", "truncated": "odd.bin",
+                        "floats": "float.npy"}[kind]
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "truncated":
+        path.write_bytes(b"\x01\x00\x02")  # 3 bytes of uint16 tokens
+    elif kind == "floats":
+        np.save(path, np.ones(1000))
+    return path
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("missing", "no such file"), ("empty", "empty"), ("truncated", "truncated"),
+    ("floats", "integer"),
+])
+def test_bad_token_file_fails_before_training(tmp_path, kind, words):
+    path = bad_token_file(kind, tmp_path)
+    result = CliRunner().invoke(app, ["run", "--set", f"data.source={path}",
+                                      "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert words in result.output.lower() and path.name in result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()
