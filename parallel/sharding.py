@@ -6,12 +6,14 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# Parameters are sharded over fsdp by their model width and over tensor by heads, MLP width
-# and vocabulary; activations are split over the batch by data x fsdp and over the
-# sequence by context.
+# Parameters are sharded by their model width over fsdp and the context axes (ZeRO-3 style:
+# context-parallel chips hold different tokens but need the same weights, so they share
+# the weights' storage and gather each layer's weights when it runs) and over tensor by
+# heads, MLP width and vocabulary. Activations are split over the batch by data x fsdp and
+# over the sequence by the context axes.
 LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,
-    "embed": "fsdp",
+    "embed": ("fsdp", "context", "ulysses"),
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,

@@ -31,7 +31,8 @@ def test_round_trip_keeps_values_shardings_and_position(tmp_path):
         np.testing.assert_array_equal(ours, original)
         assert ours.sharding == original.sharding
     embedding = restored.params["embedding"]
-    assert tuple(embedding.sharding.spec) == ("tensor", "fsdp")  # vocab: tensor, width: fsdp
+    # vocab over tensor, width over fsdp and the context axes
+    assert tuple(embedding.sharding.spec) == ("tensor", ("fsdp", "context", "ulysses"))
     for ours, original in zip(jax.tree.leaves(restored.opt_state),
                               jax.tree.leaves(state.opt_state)):
         np.testing.assert_array_equal(ours, original)
