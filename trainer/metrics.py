@@ -7,31 +7,15 @@ from pathlib import Path
 
 from rich.console import Console
 
+from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.recipes.schema import ModelConfig
 
 from .model import count_parameters
 
-# Dense bf16 peak FLOP/s per chip, from the vendors' published specifications.
-PEAK_FLOPS_BY_DEVICE_KIND = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "TPU7x": 2307e12,
-    "H100": 989e12,
-    "H200": 989e12,
-}
-
-
 def peak_flops(device_kind: str) -> float | None:
-    """Peak of the first (longest) matching name, or None for chips we do not know (CPU)."""
-    for name in sorted(PEAK_FLOPS_BY_DEVICE_KIND, key=len, reverse=True):
-        if name.lower() in device_kind.lower():
-            return PEAK_FLOPS_BY_DEVICE_KIND[name]
-    return None
+    """Dense bf16 peak of the chip, or None for devices we have no figure for (CPU)."""
+    chip = chip_for_device_kind(device_kind)
+    return chip.peak_bf16_flops if chip else None
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -1,0 +1,61 @@
+"""Accelerator facts the planner and the MFU figure need.
+
+Sources: Google Cloud TPU system-architecture pages for each generation (HBM, bf16
+peak, ICI bandwidth), "How to Scale Your Model" (the JAX scaling book, TPU chapter) for
+per-link ICI figures, and NVIDIA's H100/H200 data sheets (SXM, dense bf16, NVLink 4).
+HBM is the capacity XLA can allocate (v5p: 95.74 GB of 96 GB). `link_bytes_per_s` is the
+one-way bandwidth of one chip-to-neighbour link (the ring's unit); `links` is how many
+such links a chip drives at once in a torus (or NVLink ports to the switch, counted as one
+aggregate link for GPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_bytes: float
+    peak_bf16_flops: float
+    link_bytes_per_s: float
+    links: int
+    host_bytes: float          # host memory per chip (VM memory / chips per host)
+    device_kinds: tuple[str, ...]  # substrings of jax's device_kind naming this chip
+
+
+CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
+    Chip("v4", 32 * GB, 275e12, 45e9, 6, 100 * GB, ("TPU v4",)),
+    Chip("v5e", 16 * GB, 197e12, 45e9, 4, 48 * GB, ("TPU v5 lite", "TPU v5e")),
+    Chip("v5p", 95.74 * GB, 459e12, 90e9, 6, 112 * GB, ("TPU v5p", "TPU v5")),
+    Chip("v6e", 32 * GB, 918e12, 90e9, 4, 180 * GB, ("TPU v6 lite", "TPU v6e")),
+    Chip("tpu7x", 192 * GB, 2307e12, 150e9, 6, 180 * GB, ("TPU7x", "TPU 7x")),
+    Chip("h100", 80 * GB, 989e12, 450e9, 1, 250 * GB, ("H100",)),
+    Chip("h200", 141 * GB, 989e12, 450e9, 1, 250 * GB, ("H200",)),
+)}
+
+
+def chip_named(name: str) -> Chip:
+    """'v5p' or a topology such as 'v5p:4x4x4' -> the chip."""
+    key = name.split(":")[0].lower()
+    if key not in CHIPS:
+        raise ValueError(f"unknown chip '{name}'; known: {', '.join(CHIPS)}")
+    return CHIPS[key]
+
+
+def chip_for_device_kind(device_kind: str) -> Chip | None:
+    """The chip whose longest matching name appears in jax's device_kind (None for CPU)."""
+    matches = [(len(kind), chip) for chip in CHIPS.values() for kind in chip.device_kinds
+               if kind.lower() in device_kind.lower()]
+    return max(matches, key=lambda m: m[0])[1] if matches else None
+
+
+def topology_chip_count(topology: str) -> int:
+    """'v5p:4x4x4' -> 64 chips."""
+    count = 1
+    for size in topology.split(":")[1].split("x"):
+        count *= int(size)
+    return count
