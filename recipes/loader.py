@@ -179,6 +179,9 @@ def validate(recipe: Recipe) -> None:
              "must be positive")
     _require(recipe.attention.block_kv > 0, "attention.block_kv", recipe.attention.block_kv,
              "must be positive")
+    chunk = recipe.loss.chunk_tokens
+    _require(chunk is None or chunk >= 0, "loss.chunk_tokens", chunk,
+             "must be >= 0 (0 = unchunked) or null (chosen from data.seq_len)")
     _require(recipe.checkpoint.every >= 0, "checkpoint.every", recipe.checkpoint.every,
              "must be >= 0 (0 = only at the end)")
     _require(recipe.checkpoint.keep >= 1, "checkpoint.keep", recipe.checkpoint.keep,

@@ -80,7 +80,7 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrat
                        attend=strategy.attend, remat_policy=policy)
         return next_token_loss(hidden, model.output_weights(), batch["targets"],
                                batch["loss_mask"], recipe.train.z_loss, recipe.loss,
-                               sequence_shards=recipe.mesh.context)
+                               sequence_shards=strategy.context)
 
     sums_and_grads = jax.value_and_grad(loss_sums, has_aux=True)
 
