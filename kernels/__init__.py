@@ -35,13 +35,14 @@ IMPLS = tuple(_IMPLS)
 
 # impl="auto", as the recipe schema documents it: splash on TPU, pallas on GPU,
 # xla on CPU. Backends not registered yet are skipped, so "auto" falls back to xla.
-_AUTO_PREFERENCE = {"tpu": ("splash", "pallas"), "gpu": ("pallas",)}
+_AUTO_PREFERENCE = {"tpu": ("splash", "pallas")}
 
 
-def resolve_impl(impl: str) -> str:
-    """The registered backend name `impl` stands for; ValueError if there is none."""
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """The registered backend name `impl` stands for on `platform` (default: jax's
+    backend); ValueError if there is none."""
     if impl == "auto":
-        preferred = _AUTO_PREFERENCE.get(jax.default_backend(), ())
+        preferred = _AUTO_PREFERENCE.get(platform or jax.default_backend(), ())
         return next((name for name in preferred if name in _IMPLS), "xla")
     if impl not in _IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; allowed: "
@@ -50,7 +51,8 @@ def resolve_impl(impl: str) -> str:
 
 
 def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-              causal=True, impl="xla", block_q=512, block_kv=512, return_lse=False):
+              causal=True, impl="xla", block_q=512, block_kv=512, return_lse=False,
+              platform=None):
     """Masked multi-head (GQA) attention with softmax scale 1/sqrt(d).
 
     Args:
@@ -64,17 +66,19 @@ def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_i
       impl: backend name, one of `IMPLS`, or "auto" (see `resolve_impl`).
       block_q, block_kv: tile sizes (rounded down to divisors of sq / skv).
       return_lse: also return the log-sum-exp of the scaled scores.
+      platform: what the program is compiled for ("cpu", "gpu", "tpu"); default jax's
+        backend. An ahead-of-time compile for a TPU topology on a CPU host passes "tpu".
 
     Returns:
       out [b, sq, hq, d] in q.dtype, or (out, lse [b, hq, sq] f32) with
       return_lse. Rows with no allowed key get out = 0 and lse = -inf.
       Differentiable w.r.t. q, k, v and through lse.
     """
-    kernel = _IMPLS[resolve_impl(impl)]
+    kernel = _IMPLS[resolve_impl(impl, platform)]
     _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     out, lse = kernel.forward(q, k, v, q_positions, kv_positions, q_segment_ids,
                               kv_segment_ids, causal=causal, block_q=block_q,
-                              block_kv=block_kv)
+                              block_kv=block_kv, platform=platform)
     return (out, lse) if return_lse else out
 
 
@@ -104,13 +108,13 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
 
 def attention_block_backward(q, k, v, out, lse, dout, *, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, causal=True, impl="xla",
-                             block_q=512, block_kv=512):
+                             block_q=512, block_kv=512, platform=None):
     """(dq, dk, dv) of attention between q and one kv block, where `out` [b, sq, hq, d] and
     `lse` [b, hq, sq] are the rows' results over ALL kv blocks (merged by the caller)."""
-    kernel = _IMPLS[resolve_impl(impl)]
+    kernel = _IMPLS[resolve_impl(impl, platform)]
     return kernel.block_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
                                  q_segment_ids, kv_segment_ids, causal=causal,
-                                 block_q=block_q, block_kv=block_kv)
+                                 block_q=block_q, block_kv=block_kv, platform=platform)
 
 
 __all__ = ["IMPLS", "attention", "attention_block_backward", "attention_mask", "resolve_impl"]

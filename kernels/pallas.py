@@ -82,8 +82,6 @@ def block_size(n: int, cap: int, interpret: bool) -> int:
                      f"of {_LANES} (or at most the block size {cap}); got {n}")
 
 
-def _use_interpret(interpret):
-    return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
 def _vary_alike(*arrays):
@@ -474,24 +472,25 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ------------------------------------------------------------- public api ----
 
-def _on_gpu(interpret):
-    return interpret is None and jax.default_backend() == "gpu"
+def _target(platform):
+    """The platform the program is compiled for; the default backend unless told (an
+    ahead-of-time compile for a TPU topology runs on a CPU host)."""
+    return platform or jax.default_backend()
 
 
 def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                    *, causal=True, block_q=512, block_kv=512, interpret=None):
+                    *, causal=True, block_q=512, block_kv=512, platform=None):
     """Pallas flash attention; returns (out [b, sq, hq, d] in q.dtype, lse [b, hq, sq] f32).
 
-    Differentiable w.r.t. q, k, v, also through lse. `interpret`: None runs interpret
-    mode on CPU and Mosaic on TPU (on GPU: xla.py's kernel); True / False force it
-    (False on a CPU host still lowers for TPU, e.g. for an ahead-of-time compile).
+    Differentiable w.r.t. q, k, v, also through lse. `platform` (default: jax's backend)
+    picks Mosaic for "tpu", interpret mode for "cpu", and xla.py's kernel for "gpu".
     Shapes are assumed validated by `lctrain.kernels.attention`.
     """
-    if _on_gpu(interpret):
+    if _target(platform) == "gpu":
         return xla.flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids,
                                    kv_segment_ids, causal=causal, block_q=block_q,
                                    block_kv=block_kv)
-    interpret = _use_interpret(interpret)
+    interpret = _target(platform) == "cpu"
     block_q = block_size(q.shape[1], block_q, interpret)
     block_kv = block_size(k.shape[1], block_kv, interpret)
     operands = _vary_alike(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
@@ -500,15 +499,15 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
 
 def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
-                             block_kv=512, interpret=None):
+                             block_kv=512, platform=None):
     """(dq, dk, dv) of attention between q and one kv block, given the rows' FINAL out
     and lse (merged over all kv blocks by the caller, as ring attention does): then
     exp(s - lse) is this block's share of the global softmax."""
-    if _on_gpu(interpret):
+    if _target(platform) == "gpu":
         return xla.flash_attention_backward(
             q, k, v, out, lse, dout, q_positions, kv_positions, q_segment_ids,
             kv_segment_ids, causal=causal, block_q=block_q, block_kv=block_kv)
-    interpret = _use_interpret(interpret)
+    interpret = _target(platform) == "cpu"
     block_q = block_size(q.shape[1], block_q, interpret)
     block_kv = block_size(k.shape[1], block_kv, interpret)
     q, k, v, out, lse, dout, *ids = _vary_alike(q, k, v, out, lse, dout, q_positions,

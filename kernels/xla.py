@@ -257,11 +257,12 @@ _flash.defvjp(_flash_fwd, _backward)
 
 
 def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                    *, causal=True, block_q=512, block_kv=512):
+                    *, causal=True, block_q=512, block_kv=512, platform=None):
     """Blockwise attention; returns (out [b, sq, hq, d] in q.dtype, lse [b, hq, sq] f32).
 
     Block sizes are rounded down to divisors of sq / skv. Shapes are assumed
-    validated by `lctrain.kernels.attention`.
+    validated by `lctrain.kernels.attention`. `platform` is unused: plain XLA runs on
+    every platform (it is part of every kernel's signature).
     """
     block_q = largest_divisor_at_most(q.shape[1], block_q)
     block_kv = largest_divisor_at_most(k.shape[1], block_kv)
@@ -271,7 +272,7 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
 
 def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
-                             block_kv=512):
+                             block_kv=512, platform=None):
     """dq, dk, dv of one (q, kv) block pair given the FINAL out and lse of the rows.
 
     A ring step calls this with the out and lse merged over all kv blocks: then

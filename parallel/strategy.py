@@ -30,8 +30,11 @@ class ContextStrategy:
     def __init__(self, recipe: Recipe, mesh: Mesh):
         self.mesh = mesh
         self.context = mesh.shape["context"] * mesh.shape["ulysses"]
+        # The kernel is chosen for the mesh's devices, which are TPUs in an ahead-of-time
+        # compile for a TPU topology even though the host is a CPU.
         self.kernel_options = dict(impl=recipe.attention.impl, block_q=recipe.attention.block_q,
-                                   block_kv=recipe.attention.block_kv)
+                                   block_kv=recipe.attention.block_kv,
+                                   platform=mesh.devices.flat[0].platform)
         self.load_balance = recipe.parallel.load_balance and self.context > 1
 
     @classmethod

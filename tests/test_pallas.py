@@ -383,7 +383,7 @@ def test_compiles_for_tpu_v5p_through_mosaic():
     mesh = jax.sharding.Mesh(np.array(devices).reshape(4), ("x",),
                              axis_types=(jax.sharding.AxisType.Auto,))
     b, s, hq, hkv, d = 1, 8192, 8, 2, 128
-    blocks = dict(causal=True, block_q=512, block_kv=512, interpret=False)
+    blocks = dict(causal=True, block_q=512, block_kv=512, platform="tpu")
 
     def per_chip(q, k, v, pos, seg, cot_out, cot_lse):
         def fn(q, k, v):
