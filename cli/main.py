@@ -56,6 +56,13 @@ def run(
     run_dir: Optional[Path] = typer.Option(
         None, help="Checkpoints, metrics and TensorBoard events (default: runs/<recipe name>). "
                    "A run dir with checkpoints is resumed."),
+    coordinator: Optional[str] = typer.Option(
+        None, envvar="LCTRAIN_COORDINATOR",
+        help="host:port of process 0 for a multi-process run (TPU pods find it themselves)."),
+    num_processes: Optional[int] = typer.Option(None, envvar="LCTRAIN_NUM_PROCESSES",
+                                                help="Processes in a multi-process run."),
+    process_id: Optional[int] = typer.Option(None, envvar="LCTRAIN_PROCESS_ID",
+                                             help="This process's index, 0-based."),
 ) -> None:
     """Train a model from a recipe, resuming from the run dir's latest checkpoint."""
     overrides = list(set_) + ([f"train.steps={steps}"] if steps is not None else [])
@@ -64,8 +71,10 @@ def run(
     except RecipeError as err:
         fail(str(err))
     use_fake_cpu_devices(loaded.runtime.cpu_devices)
+    from lctrain.trainer.distributed import initialize
     from lctrain.trainer.loop import NonFiniteLoss, train
 
+    initialize(coordinator, num_processes, process_id)
     try:
         train(loaded, run_dir or default_run_dir(recipe), console)
     except (RecipeError, DataError) as err:

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from lctrain.parallel import build_mesh, make_strategy, strategy_class
 from lctrain.parallel.auto import resolve_auto
+from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.recipes import Recipe, check_against_devices
 
 from .checkpoint import Checkpointer
@@ -38,11 +39,16 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None) -> Me
 
 
 def device_memory_bytes(devices) -> int:
-    """Memory of one device: the allocator's limit on accelerators, a share of RAM on CPU."""
-    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    """Memory of one device: the chip's HBM (from the chip table, or the allocator's limit),
+    else a share of this host's RAM (CPU devices)."""
+    chip = chip_for_device_kind(devices[0].device_kind)
+    if chip:
+        return int(chip.hbm_bytes)
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    stats = local[0].memory_stats() if local else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(devices)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(len(local), 1)
 
 
 def device_batch(source: DataSource, index: int, order: np.ndarray | None,
@@ -74,8 +80,8 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
           devices=None) -> list[dict]:
     """Trains to recipe.train.steps on `devices` (default: all), resuming from run_dir's
     latest checkpoint; returns the metrics records it logged."""
-    console = console or Console()
     is_main = jax.process_index() == 0
+    console = Console(quiet=True) if not is_main else console or Console()
     mesh = mesh_for(recipe, devices, console)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed)
     strategy = make_strategy(recipe, mesh)

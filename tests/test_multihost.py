@@ -1,0 +1,47 @@
+"""Two processes x 4 CPU devices (gloo collectives) train exactly like one process x 8."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def lctrain(run_dir, *extra):
+    return [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(run_dir),
+            "--set", "train.steps=4", "--set", "train.warmup_steps=1",
+            "--set", "runtime.log_every=1", "--set", "checkpoint.every=2",
+            "--set", "data.seq_len=64", "--set", "mesh.data=2", "--set", "mesh.context=4",
+            "--set", "parallel.strategy=ring", *extra]
+
+
+def losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_two_processes_match_one(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": ""}
+    single = tmp_path / "single"
+    subprocess.run(lctrain(single), check=True, env=env, capture_output=True, timeout=300)
+
+    multi = tmp_path / "multi"
+    coordinator = f"127.0.0.1:{free_port()}"
+    processes = [subprocess.Popen(
+        lctrain(multi, "--set", "runtime.cpu_devices=4", "--coordinator", coordinator,
+                "--num-processes", "2", "--process-id", str(i)),
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs[0][-2000:]
+    np.testing.assert_allclose(losses(multi), losses(single), rtol=1e-5)
+    assert "step 4/4" in outputs[0] and "step 4/4" not in outputs[1]  # process 0 logs
+    assert (multi / "checkpoints" / "4").is_dir()
