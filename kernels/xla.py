@@ -84,8 +84,16 @@ def _scores(q, k, scale):
     return jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=_F32) * scale
 
 
-def _block_mask(q_pos, kv_pos, q_seg, kv_seg, causal):
-    """Allowed pairs for one block pair, broadcast over (hkv, g): [b, 1, 1, bq, bk]."""
+def _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal):
+    """Allowed pairs for one block pair, broadcast over (hkv, g): [b, 1, 1, bq, bk].
+
+    Positions and segments are the same in every layer, so XLA would hoist all blocks'
+    masks out of the layer loop and keep them: O(s^2) bytes. Tying them to this block's
+    keys (which differ per layer) through an optimization barrier keeps each mask inside
+    its block step, O(bq * bk).
+    """
+    _, q_pos, kv_pos, q_seg, kv_seg = jax.lax.optimization_barrier(
+        (k, q_pos, kv_pos, q_seg, kv_seg))
     return attention_mask(q_pos, kv_pos, q_seg, kv_seg, causal)[:, None, None]
 
 
@@ -116,7 +124,7 @@ def _online_softmax_step(carry, kv_block, *, q, q_pos, q_seg, causal, scale):
     """Fold one kv block into the running (acc, max, sum) of a query block."""
     acc, row_max, row_sum = carry
     k, v, kv_pos, kv_seg = kv_block
-    mask = _block_mask(q_pos, kv_pos, q_seg, kv_seg, causal)
+    mask = _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal)
     s = _masked_scores(q, k, mask, scale)
     new_max = jnp.maximum(row_max, s.max(axis=-1))
     # What was accumulated was weighted by exp(. - row_max); rescale it to the
@@ -152,7 +160,7 @@ def _attention_grads_step(dq, kv_block, *, q, dout, lse, delta, dlse, q_pos, q_s
     Summing over the group axis g in dk, dv is the GQA reduction.
     """
     k, v, kv_pos, kv_seg = kv_block
-    mask = _block_mask(q_pos, kv_pos, q_seg, kv_seg, causal)
+    mask = _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal)
     s = _masked_scores(q, k, mask, scale)
     p = _masked_probs(s, mask, lse)  # exact softmax probs, recomputed from lse
     dv = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(dout.dtype), dout,
