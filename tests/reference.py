@@ -48,3 +48,12 @@ def dense_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=_HIGHEST)
     lse = jnp.where(nonempty, row_max + jnp.log(safe_total), -jnp.inf)[..., 0]
     return out, lse
+
+
+def merge_partials(parts):
+    """Attention results over disjoint key chunks, [(out, lse), ...], merged into the
+    result over all keys by their logsumexps (what ring attention does)."""
+    lses = jnp.stack([lse for _, lse in parts])  # [chunk, b, hq, sq]
+    lse = jax.nn.logsumexp(lses, axis=0)
+    weights = jnp.moveaxis(jnp.exp(lses - lse), 2, 3)[..., None]  # [chunk, b, sq, hq, 1]
+    return sum(out * w for (out, _), w in zip(parts, weights)), lse
