@@ -233,6 +233,20 @@ def _validate_remat(recipe: Recipe) -> None:
                  f"only used with remat.policy=custom (policy is '{r.policy}')")
 
 
+def check_host_memory(recipe: Recipe, memory_kinds: set[str]) -> None:
+    """Host offload (remat.tensors ... offload, optimizer.offload) needs devices with a
+    'pinned_host' memory (TPU, GPU and CPU have one); `memory_kinds` are the device's."""
+    if "pinned_host" in memory_kinds:
+        return
+    kinds = ", ".join(sorted(memory_kinds))
+    _require(not recipe.optimizer.offload, "optimizer.offload", True,
+             f"these devices have no pinned_host memory (only {kinds}); set it to false")
+    offloaded = [name for name, where in recipe.remat.tensors.items() if where == "offload"]
+    if offloaded:
+        _require(False, f"remat.tensors.{offloaded[0]}", "offload",
+                 f"these devices have no pinned_host memory (only {kinds}); use remat or device")
+
+
 def resolve_mesh(recipe: Recipe, device_count: int) -> dict[str, int]:
     """Mesh axis sizes with -1 filled in; checks the product against the devices."""
     sizes = recipe.mesh.axis_sizes()

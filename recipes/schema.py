@@ -128,11 +128,20 @@ class AttentionConfig:
 @dataclass
 class RematConfig:
     policy: Literal["full", "minimal", "save_all", "custom"] = option(
-        "full", "What each layer keeps for backward: nothing (full), matmul outputs (minimal), "
-                "everything (save_all), or per tensor (custom).")
+        "full", "What each layer keeps for backward besides its input (the layer scan always "
+                "saves that; custom can offload it as decoder_layer_input): nothing (full), "
+                "matmul outputs (minimal), everything (save_all), or per tensor (custom).")
     tensors: dict[str, Literal["remat", "device", "offload"]] = option(
         {}, "custom only: tensor name -> remat | device | offload (to pinned host memory). "
             "Names: " + ", ".join(REMAT_TENSORS) + ".")
+
+
+@dataclass
+class OptimizerConfig:
+    offload: bool = option(
+        False, "Keep the AdamW moments (float32, 8 bytes per parameter) in pinned host memory; "
+               "each step moves them to the device for the update and back. On CPU both memories "
+               "are RAM: it runs, and saves nothing.")
 
 
 @dataclass
@@ -167,6 +176,7 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     remat: RematConfig = field(default_factory=RematConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

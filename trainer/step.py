@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from lctrain.parallel import ContextStrategy
 from lctrain.parallel.sharding import batch_sharding, parameter_shardings, replicated
+from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import Recipe
 
 from .loss import next_token_loss
@@ -20,6 +21,7 @@ from .optimizer import learning_rate_schedule, make_optimizer
 from .remat import remat_policy
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+HOST = "pinned_host"   # the memory kind optimizer.offload keeps the moments in
 
 
 class TrainState(NamedTuple):
@@ -49,11 +51,18 @@ def build_trainable(recipe: Recipe, mesh: Mesh) -> Trainable:
     graphdef, abstract_params = nnx.split(abstract_model)
     param_shardings = parameter_shardings(mesh, abstract_params)
     shapes = jax.eval_shape(fresh_state)
+    check_host_memory(recipe, _memory_kinds(mesh))
+
+    def moment_sharding(_, sharding):
+        # optimizer.offload: the moments (shaped like the parameters) live in pinned host
+        # memory between steps; counters and other scalars stay on the device.
+        return sharding.with_memory_kind(HOST) if recipe.optimizer.offload else sharding
+
     shardings = TrainState(
         step=replicated(mesh),
         params=param_shardings,
         opt_state=optax.tree_map_params(
-            optimizer, lambda _, sharding: sharding, shapes.opt_state, param_shardings,
+            optimizer, moment_sharding, shapes.opt_state, param_shardings,
             transform_non_params=lambda _: replicated(mesh)),
     )
     abstract_state = jax.tree.map(
@@ -61,6 +70,21 @@ def build_trainable(recipe: Recipe, mesh: Mesh) -> Trainable:
         shapes, shardings)
     init = jax.jit(fresh_state, out_shardings=shardings)
     return Trainable(graphdef, optimizer, init, abstract_state, shardings)
+
+
+def _memory_kinds(mesh: Mesh) -> set[str]:
+    """Memory kinds of this process's devices (TPU, GPU, CPU: device and pinned_host)."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return {memory.kind for memory in (local or list(mesh.devices.flat))[0].addressable_memories()}
+
+
+def _moved(tree, shardings, kind: str):
+    """The leaves whose sharding says pinned host memory, put into `kind` memory ('device'
+    to compute on them inside the jitted step, HOST to put them back); the rest as is."""
+    return jax.tree.map(
+        lambda x, sharding: (jax.device_put(x, sharding.with_memory_kind(kind))
+                             if sharding.memory_kind == HOST else x),
+        tree, shardings)
 
 
 def batch_shardings(mesh: Mesh) -> dict[str, Any]:
@@ -105,7 +129,13 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrat
         (loss_sum, token_count), grad_sums = accumulate(state.params, batch)
         token_count = jnp.maximum(token_count, 1.0)
         grads = jax.tree.map(lambda g: g / token_count, grad_sums)
-        updates, opt_state = trainable.optimizer.update(grads, state.opt_state, state.params)
+        # optimizer.offload: moments from host memory for the update, then back. (XLA's TPU
+        # compiler starts that copy at the top of the step, an optimization barrier on the
+        # gradients notwithstanding, so it saves HBM between steps, not at the step's peak.)
+        opt_shardings = trainable.state_shardings.opt_state
+        opt_state = _moved(state.opt_state, opt_shardings, "device")
+        updates, opt_state = trainable.optimizer.update(grads, opt_state, state.params)
+        opt_state = _moved(opt_state, opt_shardings, HOST)
         params = optax.apply_updates(state.params, updates)
         loss, grad_norm = loss_sum / token_count, optax.tree_utils.tree_l2_norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),

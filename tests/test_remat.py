@@ -1,0 +1,163 @@
+"""Remat policies and host offload: what the TPU compiler reports per chip (slow, libtpu
+ahead-of-time), and on CPU that offloading changes no number of training.
+
+The AOT cases compile one small model (4 x v5p, data parallel) where the layer inputs the
+scan saves for backward are a large part of the memory, so moving them shows in the totals:
+
+    tokens per chip  T = batch 32 x seq 1024 / 4 devices = 8192
+    layer inputs     E = layers 64 x T x d_model 128 x 2 bytes (bf16) = 128 MiB
+
+`full` keeps E on the device (the scan saves its carry whatever the policy says);
+`custom` with decoder_layer_input: offload keeps E in pinned host memory instead.
+Device memory is compared with `peak_memory_in_bytes` (arguments + the temporaries live at
+the worst moment: it falls by 0.99 x E here); `temp_size_in_bytes`, the size of the
+temporaries' allocation, falls by more than E (1.46 x E), so it is only bounded below.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import shutil
+
+import jax
+import pytest
+from rich.console import Console
+
+from lctrain.recipes import load_recipe
+from lctrain.recipes.loader import check_host_memory
+from lctrain.recipes.schema import RecipeError
+from lctrain.trainer.loop import mesh_for, train
+from lctrain.trainer.model import count_parameters
+from lctrain.trainer.step import build_trainable
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="TPU AOT compiles need libtpu (the tpu extra)")
+
+TOPOLOGY = "v5p:2x2x1"
+DEVICES = 4
+LAYERS, D_MODEL, SEQ_LEN, BATCH = 64, 128, 1024, 32
+AOT_SETS = ["runtime.cpu_devices=0", "model.preset=tiny", f"model.layers={LAYERS}",
+            f"model.d_model={D_MODEL}", "model.n_heads=2", "model.n_kv_heads=1",
+            "model.dtype=bfloat16", f"data.seq_len={SEQ_LEN}", f"data.batch_size={BATCH}",
+            "mesh.data=4"]
+TOKENS_PER_CHIP = BATCH * SEQ_LEN // DEVICES
+LAYER_INPUTS = LAYERS * TOKENS_PER_CHIP * D_MODEL * 2           # 134,217,728 = 128 MiB
+CASES = {
+    "full": ["remat.policy=full"],
+    "minimal": ["remat.policy=minimal"],
+    "offload": ["remat.policy=custom", "remat.tensors={decoder_layer_input: offload}"],
+    "opt_offload": ["remat.policy=full", "optimizer.offload=true"],
+}
+
+
+@functools.cache
+def compiled(case: str):
+    """(memory_analysis(), optimized HLO text) of the AOT case."""
+    from lctrain.parallel import aot
+    recipe = load_recipe(None, AOT_SETS + CASES[case])
+    program = aot.compile_train_step(recipe, aot.topology_devices(TOPOLOGY))
+    return program.memory_analysis(), program.as_text()
+
+
+def stacked_layer_input_spaces(hlo: str) -> set[str]:
+    """Memory spaces of the [layers, b, s, d_model] buffer the scan saves: '' for device
+    HBM, 'S(5)' for pinned host (XLA TPU's memory-space annotation in the layout)."""
+    shape = rf"bf16\[{LAYERS},{BATCH // DEVICES},{SEQ_LEN},{D_MODEL}\]\{{([^}}]*)\}}"
+    return {("S(5)" if "S(5)" in layout else "") for layout in re.findall(shape, hlo)}
+
+
+def close(actual: int, expected: int, tolerance: float = 0.1) -> bool:
+    return abs(actual - expected) <= tolerance * expected
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_offloading_the_layer_input_moves_it_to_host_memory():
+    full, full_hlo = compiled("full")
+    minimal, _ = compiled("minimal")
+    offload, offload_hlo = compiled("offload")
+    assert full.host_temp_size_in_bytes == 0
+    assert minimal.host_temp_size_in_bytes == 0
+    # The saved layer inputs, and nothing else, live in host memory ...
+    assert close(offload.host_temp_size_in_bytes, LAYER_INPUTS), offload.host_temp_size_in_bytes
+    assert stacked_layer_input_spaces(full_hlo) == {""}
+    assert stacked_layer_input_spaces(offload_hlo) == {"S(5)"}
+    # ... and leave the device: its peak drops by that much, its temporaries by at least.
+    drop = full.peak_memory_in_bytes - offload.peak_memory_in_bytes
+    assert close(drop, LAYER_INPUTS), (drop, LAYER_INPUTS)
+    assert full.temp_size_in_bytes - offload.temp_size_in_bytes >= 0.9 * LAYER_INPUTS
+    # minimal keeps every matmul output besides: far more device memory than full.
+    assert minimal.peak_memory_in_bytes > full.peak_memory_in_bytes + LAYER_INPUTS
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_offloading_the_optimizer_state_moves_the_moments_to_host_memory():
+    """Only the step's arguments are asserted: XLA copies the moments to HBM at the top of
+    the step, so its peak does not fall (here it rises by the moments' size)."""
+    full, _ = compiled("full")
+    offload, hlo = compiled("opt_offload")
+    recipe = load_recipe(None, AOT_SETS)
+    # Data parallel: every chip holds all parameters, so both f32 AdamW moments in full.
+    moments = 2 * count_parameters(recipe.model) * 4                # 101,058,560 bytes
+    assert full.host_argument_size_in_bytes == 0
+    assert close(offload.host_argument_size_in_bytes, moments), offload.host_argument_size_in_bytes
+    drop = full.argument_size_in_bytes - offload.argument_size_in_bytes
+    assert close(drop, moments), (drop, moments)
+    assert "S(5)" in hlo
+
+
+# ------------------------------------------------------------------- CPU ----
+
+CPU_SETS = ["train.steps=5", "train.warmup_steps=1", "runtime.log_every=1", "data.seq_len=64",
+            "model.dtype=bfloat16", "checkpoint.every=2", "checkpoint.keep=5"]
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [record["loss"] for record in records]
+
+
+@pytest.fixture(scope="module")
+def full_losses(tmp_path_factory):
+    recipe = load_recipe(None, CPU_SETS)
+    return losses(train(recipe, tmp_path_factory.mktemp("full"), Console(quiet=True)))
+
+
+def test_offloaded_layer_inputs_train_like_full_remat(tmp_path, full_losses):
+    recipe = load_recipe(None, CPU_SETS + CASES["offload"])
+    assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
+
+
+def test_offloaded_optimizer_state_trains_and_resumes_like_on_device(tmp_path, full_losses):
+    recipe = load_recipe(None, CPU_SETS + ["optimizer.offload=true"])
+    assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
+    # Resume from the step-2 checkpoint (drop the later ones): the moments come back into
+    # host memory and steps 3-5 repeat exactly.
+    for step in (4, 5):
+        shutil.rmtree(tmp_path / "checkpoints" / str(step))
+    resumed = train(recipe, tmp_path, Console(quiet=True))
+    assert losses(resumed) == full_losses[2:]
+
+
+def test_offloaded_moments_live_in_pinned_host_memory():
+    recipe = load_recipe(None, ["optimizer.offload=true"])
+    trainable = build_trainable(recipe, mesh_for(recipe))
+    state = trainable.init()
+    kinds = {(leaf.ndim > 0, leaf.sharding.memory_kind)
+             for leaf in jax.tree.leaves(state.opt_state)}
+    assert kinds == {(True, "pinned_host"), (False, "device")}  # moments / step counters
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {"device"}
+
+
+def test_offload_needs_pinned_host_memory():
+    recipe = load_recipe(None, ["optimizer.offload=true"])
+    check_host_memory(recipe, {"device", "pinned_host"})
+    with pytest.raises(RecipeError, match="optimizer.offload"):
+        check_host_memory(recipe, {"device"})
+    recipe = load_recipe(None, CASES["offload"])
+    with pytest.raises(RecipeError, match="remat.tensors.decoder_layer_input"):
+        check_host_memory(recipe, {"device"})
+    assert "pinned_host" in {memory.kind for memory in jax.devices()[0].addressable_memories()}
+
