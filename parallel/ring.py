@@ -60,23 +60,40 @@ def _merge(out, lse, block_out, block_lse):
     return out * weight(lse) + block_out.astype(jnp.float32) * weight(block_lse), new_lse
 
 
+def _tied(tensors):
+    """The tensors, made to look to XLA as if each depended on all the others.
+
+    Positions and segment ids are the same in every layer; anything computed from them
+    alone (which ring steps to skip, the kernel's masks) XLA would hoist out of the layer
+    loop and keep for every ring step at once. Tied to the layer's K/V they stay in it.
+    """
+    return jax.lax.optimization_barrier(tensors)
+
+
 def _forward(q, k, v, positions, segment_ids, axis_name, kernel_options):
     options = dict(kernel_options)
     b, s, h, d = q.shape
+    q, positions, segment_ids = _tied((q, positions, segment_ids))
 
-    def attend(k, v, kv_positions, kv_segment_ids):
-        return kernels.attention(q, k, v, q_positions=positions, kv_positions=kv_positions,
-                                 q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                                 causal=True, return_lse=True, **options)
+    def attend_and_merge(out, lse, k, v, kv_positions, kv_segment_ids):
+        block = kernels.attention(q, k, v, q_positions=positions, kv_positions=kv_positions,
+                                  q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                  causal=True, return_lse=True, **options)
+        return _merge(out, lse, *block)
 
-    def nothing(*_):
-        return jnp.zeros(q.shape, q.dtype), jnp.full((b, h, s), -jnp.inf, jnp.float32)
+    def skip(out, lse, *_):
+        return out, lse
 
     def step(carry, _):
         out, lse, kv = carry
+        kv = _tied(kv)
         next_kv = tuple(_send_to_next(x, axis_name) for x in kv)
-        block = jax.lax.cond(_may_attend(positions, kv[2]), attend, nothing, *kv)
-        return (*_merge(out, lse, *block), next_kv), None
+        # The skipped branch hands the running result through: a branch that made a
+        # constant block (zeros, -inf) would be hoisted out of the layer loop by XLA, one
+        # q-sized buffer per ring step kept for the whole step.
+        out, lse = jax.lax.cond(_may_attend(positions, kv[2]), attend_and_merge, skip,
+                                out, lse, *kv)
+        return (out, lse, next_kv), None
 
     init = (jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
             (k, v, positions, segment_ids))
@@ -98,21 +115,21 @@ def _ring_bwd(axis_name, kernel_options, residuals, dout):
     q, k, v, positions, segment_ids, out, lse = residuals
     options = dict(kernel_options)
 
-    def gradients(k, v, kv_positions, kv_segment_ids):
-        return kernels.attention_block_backward(
+    def accumulate(dq, dk, dv, k, v, kv_positions, kv_segment_ids):
+        block_dq, block_dk, block_dv = kernels.attention_block_backward(
             q, k, v, out, lse, dout, q_positions=positions, kv_positions=kv_positions,
             q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, causal=True, **options)
+        return (dq + block_dq.astype(jnp.float32), dk + block_dk.astype(jnp.float32),
+                dv + block_dv.astype(jnp.float32))
 
-    def nothing(k, v, *_):
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    def skip(dq, dk, dv, *_):
+        return dq, dk, dv
 
     def step(carry, _):
         dq, kv, dk, dv = carry
-        block_dq, block_dk, block_dv = jax.lax.cond(_may_attend(positions, kv[2]), gradients,
-                                                    nothing, *kv)
-        dq = dq + block_dq.astype(jnp.float32)
+        dq, dk, dv = jax.lax.cond(_may_attend(positions, kv[2]), accumulate, skip,
+                                  dq, dk, dv, *kv)
         # dK/dV travel with their K/V: after the last step both are back on their owner.
-        dk, dv = dk + block_dk.astype(jnp.float32), dv + block_dv.astype(jnp.float32)
         moved = tuple(_send_to_next(x, axis_name) for x in (*kv, dk, dv))
         return (dq, moved[:4], *moved[4:]), None
 

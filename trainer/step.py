@@ -137,7 +137,7 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrat
         updates, opt_state = trainable.optimizer.update(grads, opt_state, state.params)
         opt_state = _moved(opt_state, opt_shardings, HOST)
         params = optax.apply_updates(state.params, updates)
-        loss, grad_norm = loss_sum / token_count, optax.tree_utils.tree_l2_norm(grads)
+        loss, grad_norm = loss_sum / token_count, optax.tree_utils.tree_norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
         return TrainState(state.step + 1, params, opt_state), metrics
