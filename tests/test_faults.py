@@ -109,3 +109,21 @@ def test_bad_token_file_fails_before_training(tmp_path, kind, words):
     assert result.exit_code == 2
     assert words in result.output.lower() and path.name in result.output
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_second_sigterm_exits_at_once(monkeypatch):
+    """The first SIGTERM only asks for a checkpoint at the next step boundary; a second one
+    (an impatient scheduler) exits the process immediately with 128 + SIGTERM, without
+    waiting for the step or the save. A hard exit mid-save leaves orbax's unfinished
+    directory behind and the last complete checkpoint usable (the SIGKILL test in
+    test_train.py resumes from exactly that)."""
+    exits = []
+    monkeypatch.setattr(loop.os, "_exit", exits.append)
+    with loop.StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)            # Python runs the handler between bytecodes
+        assert stop.agreed() and exits == []
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert exits == [128 + signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) != stop._handle

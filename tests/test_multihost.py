@@ -1,4 +1,5 @@
-"""Two processes x 4 CPU devices (gloo collectives) train exactly like one process x 8."""
+"""Two processes x 4 CPU devices (gloo collectives) train exactly like one process x 8,
+and save and restore checkpoints across processes."""
 
 import json
 import os
@@ -15,9 +16,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def lctrain(run_dir, *extra):
+def lctrain(run_dir, *extra, steps=4):
+    # A constant learning rate after warmup (min_lr_ratio 1), so that a run to 4 steps
+    # resumed to 6 follows the same schedule as a run to 6.
     return [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(run_dir),
-            "--set", "train.steps=4", "--set", "train.warmup_steps=1",
+            "--set", f"train.steps={steps}", "--set", "train.warmup_steps=1",
+            "--set", "train.min_lr_ratio=1.0",
             "--set", "runtime.log_every=1", "--set", "checkpoint.every=2",
             "--set", "data.seq_len=64", "--set", "mesh.data=2", "--set", "mesh.context=4",
             "--set", "parallel.strategy=ring", *extra]
@@ -28,20 +32,32 @@ def losses(run_dir):
     return [json.loads(line)["loss"] for line in lines]
 
 
-def test_two_processes_match_one(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": ""}
-    single = tmp_path / "single"
-    subprocess.run(lctrain(single), check=True, env=env, capture_output=True, timeout=300)
+ENV = {**os.environ, "XLA_FLAGS": ""}
 
-    multi = tmp_path / "multi"
+
+def two_processes(run_dir, steps):
     coordinator = f"127.0.0.1:{free_port()}"
     processes = [subprocess.Popen(
-        lctrain(multi, "--set", "runtime.cpu_devices=4", "--coordinator", coordinator,
-                "--num-processes", "2", "--process-id", str(i)),
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lctrain(run_dir, "--set", "runtime.cpu_devices=4", "--coordinator", coordinator,
+                "--num-processes", "2", "--process-id", str(i), steps=steps),
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs[0][-2000:]
-    np.testing.assert_allclose(losses(multi), losses(single), rtol=1e-5)
+    return outputs
+
+
+def test_two_processes_match_one_and_resume_across_processes(tmp_path):
+    single = tmp_path / "single"
+    subprocess.run(lctrain(single, steps=6), check=True, env=ENV, capture_output=True,
+                   timeout=300)
+
+    multi = tmp_path / "multi"
+    outputs = two_processes(multi, steps=4)
     assert "step 4/4" in outputs[0] and "step 4/4" not in outputs[1]  # process 0 logs
     assert (multi / "checkpoints" / "4").is_dir()
+    # Both processes restore the step-4 checkpoint they wrote together and go on.
+    outputs = two_processes(multi, steps=6)
+    assert "resumed from checkpoint at step 4" in outputs[0]
+    np.testing.assert_allclose(losses(multi), losses(single), rtol=1e-5)
+    assert len(losses(multi)) == 6
