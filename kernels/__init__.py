@@ -7,7 +7,7 @@ implementation is a `Kernel`: a differentiable forward with the signature
             *, causal, block_q, block_kv) -> (out, lse)
 
 and the backward of one kv block given the rows' final out and lse (for ring attention),
-so adding a backend ("pallas", "splash") is one entry in `_IMPLS`. impl="auto"
+so adding a backend (tokamax's splash, say) is one entry in `_IMPLS`. impl="auto"
 (a recipe option) picks the best registered backend for the platform.
 """
 
@@ -33,9 +33,9 @@ _IMPLS = {
 
 IMPLS = tuple(_IMPLS)
 
-# impl="auto", as the recipe schema documents it: splash on TPU, pallas on GPU,
-# xla on CPU. Backends not registered yet are skipped, so "auto" falls back to xla.
-_AUTO_PREFERENCE = {"tpu": ("splash", "pallas")}
+# impl="auto", as the recipe schema documents it: our Pallas kernel on TPU, xla elsewhere
+# (on GPU the Pallas kernel itself falls back to xla).
+_AUTO_PREFERENCE = {"tpu": ("pallas",)}
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:

@@ -118,9 +118,9 @@ class ParallelConfig:
 
 @dataclass
 class AttentionConfig:
-    impl: Literal["xla", "pallas", "splash", "auto"] = option(
-        "xla", "Attention kernel: blockwise XLA reference, own Pallas kernel, tokamax splash, or "
-               "auto (splash on TPU, pallas on GPU, xla on CPU).")
+    impl: Literal["xla", "pallas", "auto"] = option(
+        "xla", "Attention kernel: blockwise XLA reference, our Pallas kernel (Mosaic on TPU, "
+               "interpreted on CPU), or auto (pallas on TPU, xla elsewhere).")
     block_q: int = option(512, "Query block size of the blockwise kernels.")
     block_kv: int = option(512, "Key/value block size of the blockwise kernels.")
 
@@ -149,9 +149,6 @@ class LossConfig:
     chunk_tokens: int | None = option(
         None, "Tokens per chunk of the cross-entropy: the logits exist one chunk at a time "
               "(forward and backward); 0 computes them whole; null picks from data.seq_len.")
-    impl: Literal["xla", "tokamax"] = option(
-        "xla", "xla: chunked cross-entropy under remat; tokamax: its fused linear + softmax "
-               "cross-entropy kernel (TPU).")
 
 
 @dataclass

@@ -104,12 +104,6 @@ def test_chunk_tokens_resolution():
         resolve_chunk_tokens(-1, 1000)
 
 
-def test_tokamax_impl_is_a_clear_error():
-    inputs = make_inputs(batch=1, seq=8, d_model=8, vocab=16)
-    with pytest.raises(NotImplementedError, match="loss.impl=tokamax is not available"):
-        next_token_loss(*inputs, config=LossConfig(impl="tokamax"))
-
-
 @pytest.mark.slow
 def test_chunked_loss_never_holds_the_whole_logits():
     """TPU v5p, 4 chips: batch over fsdp, sequence over context, 32K tokens x 32K vocab per

@@ -36,13 +36,6 @@ def next_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.A
     every chunk takes its tokens evenly from all of them.
     """
     config = config or LossConfig()
-    if config.impl == "tokamax":
-        # tokamax 0.0.12's linear_softmax_cross_entropy_loss only returns the sum over all
-        # tokens: no per-token mask (packed documents, padding) and no z-loss; its Pallas
-        # kernel also needs a shard_map around it and an attached TPU to pick block sizes.
-        raise NotImplementedError(
-            "loss.impl=tokamax is not available yet (tokamax's fused cross-entropy has no "
-            "loss mask or z-loss); use loss.impl=xla, which is chunked as well")
     # Cast once here, not once per chunk inside the loop.
     output_weights = output_weights.astype(hidden.dtype)
     chunk_tokens = resolve_chunk_tokens(config.chunk_tokens, hidden.shape[1])
