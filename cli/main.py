@@ -83,5 +83,73 @@ def run(
         fail(str(err), code=1)
 
 
+
+@app.command()
+def plan(
+    recipe: Optional[str] = typer.Argument(
+        None, help="Recipe YAML file or built-in recipe name (default: the built-in 'tiny')."),
+    topology: str = typer.Option(
+        ..., help="Chips and their shape, e.g. v5p:4x4x4 or tpu7x:2x2x1 (the mesh's -1 axis "
+                  "fills the chip count)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a recipe key: section.key=value."),
+    compile_: bool = typer.Option(
+        False, "--compile", help="Also compile every strategy for the topology (libtpu, no TPU "
+                                 "needed) and show XLA's per-device figures beside the estimate."),
+    max_seq: bool = typer.Option(
+        False, "--max-seq", help="Longest sequence that fits per strategy (estimated; with "
+                                 "--compile, by compiling)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Per-device memory and communication of each context-parallel strategy, and a pick
+    (per device: a TPU7x chip is two)."""
+    import json
+
+    from lctrain.parallel import chips, planner
+    from lctrain.recipes import check_against_devices
+
+    try:
+        # The plan weighs every strategy, so the recipe's own choice must not rule out a
+        # context axis (strategy 'none' would); an explicit --set still wins.
+        loaded = load_recipe(recipe, ["parallel.strategy=auto", *set_])
+        chip = chips.chip_named(topology).per_device()
+    except (RecipeError, ValueError) as err:
+        fail(str(err))
+    try:
+        count = chips.topology_device_count(topology)
+    except (ValueError, IndexError):
+        fail(f"--topology '{topology}' must look like chip:AxBxC, e.g. v5p:4x4x4")
+    try:
+        sizes = check_against_devices(loaded, count)
+    except RecipeError as err:
+        fail(str(err))
+    platform = "gpu" if chip.name in ("h100", "h200") else "tpu"
+    result = planner.plan(loaded, chip, sizes, platform)
+    devices = None
+    if compile_:
+        if platform != "tpu":
+            fail(f"--compile needs a TPU topology (libtpu), got '{topology}'")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        from lctrain.parallel import aot
+        try:
+            devices = aot.topology_devices(topology)
+        except (RuntimeError, ValueError) as err:
+            fail(str(err))
+        planner.attach_compiled(result, loaded, devices)
+    longest = planner.longest_sequences(result, loaded, platform, devices) if max_seq else {}
+    if as_json:
+        out = result.as_json()
+        if max_seq:
+            out["max_seq_len"] = longest
+        typer.echo(json.dumps(out, indent=2))
+        return
+    # Rich would fold the table to 80 columns in a pipe or a file; it is meant to be read whole.
+    out = console if console.is_terminal else Console(width=160)
+    planner.render(result, out, title=f"{loaded.model.preset}, seq {loaded.data.seq_len:,}, "
+                                          f"batch {loaded.data.batch_size}, {topology}, "
+                                          f"mesh {sizes}, remat {loaded.remat.policy}")
+    if max_seq:
+        planner.render_max_seq(longest, out)
+
+
 if __name__ == "__main__":
     app()

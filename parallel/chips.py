@@ -3,14 +3,17 @@
 Sources: Google Cloud TPU system-architecture pages for each generation (HBM, bf16
 peak, ICI bandwidth), "How to Scale Your Model" (the JAX scaling book, TPU chapter) for
 per-link ICI figures, and NVIDIA's H100/H200 data sheets (SXM, dense bf16, NVLink 4).
-HBM is the capacity XLA can allocate (v5p: 95.74 GB of 96 GB). `link_bytes_per_s` is the
-one-way bandwidth of one chip-to-neighbour link (the ring's unit); `links` is how many
-such links a chip drives at once in a torus (or NVLink ports to the switch, counted as one
-aggregate link for GPUs).
+HBM is the capacity XLA can allocate (v5p: 95.74 GB of 96 GB); `hbm_bytes_per_s` its
+bandwidth (the same pages: v4 1228, v5e 819, v5p 2765, v6e 1640, Ironwood 7380 GB/s).
+`link_bytes_per_s` is the one-way bandwidth of one chip-to-neighbour link (the ring's
+unit); `links` is how many such links a chip drives at once in a torus (or NVLink ports to
+the switch, counted as one aggregate link for GPUs). A TPU7x (Ironwood) chip holds two
+TensorCores that JAX shows as two devices, each with half the chip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 GB = 10**9
@@ -25,16 +28,26 @@ class Chip:
     links: int
     host_bytes: float          # host memory per chip (VM memory / chips per host)
     device_kinds: tuple[str, ...]  # substrings of jax's device_kind naming this chip
+    hbm_bytes_per_s: float = 0.0   # HBM bandwidth (the planner's memory-bound work)
+    devices_per_chip: int = 1      # JAX devices one chip appears as
+
+    def per_device(self) -> Chip:
+        """The share of one JAX device: the chip itself unless it shows as several."""
+        n = self.devices_per_chip
+        return dataclasses.replace(
+            self, hbm_bytes=self.hbm_bytes / n, peak_bf16_flops=self.peak_bf16_flops / n,
+            link_bytes_per_s=self.link_bytes_per_s / n, host_bytes=self.host_bytes / n,
+            hbm_bytes_per_s=self.hbm_bytes_per_s / n, devices_per_chip=1)
 
 
 CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
-    Chip("v4", 32 * GB, 275e12, 45e9, 6, 100 * GB, ("TPU v4",)),
-    Chip("v5e", 16 * GB, 197e12, 45e9, 4, 48 * GB, ("TPU v5 lite", "TPU v5e")),
-    Chip("v5p", 95.74 * GB, 459e12, 90e9, 6, 112 * GB, ("TPU v5p", "TPU v5")),
-    Chip("v6e", 32 * GB, 918e12, 90e9, 4, 180 * GB, ("TPU v6 lite", "TPU v6e")),
-    Chip("tpu7x", 192 * GB, 2307e12, 150e9, 6, 180 * GB, ("TPU7x", "TPU 7x")),
-    Chip("h100", 80 * GB, 989e12, 450e9, 1, 250 * GB, ("H100",)),
-    Chip("h200", 141 * GB, 989e12, 450e9, 1, 250 * GB, ("H200",)),
+    Chip("v4", 32 * GB, 275e12, 45e9, 6, 100 * GB, ("TPU v4",), 1228 * GB),
+    Chip("v5e", 16 * GB, 197e12, 45e9, 4, 48 * GB, ("TPU v5 lite", "TPU v5e"), 819 * GB),
+    Chip("v5p", 95.74 * GB, 459e12, 90e9, 6, 112 * GB, ("TPU v5p", "TPU v5"), 2765 * GB),
+    Chip("v6e", 32 * GB, 918e12, 90e9, 4, 180 * GB, ("TPU v6 lite", "TPU v6e"), 1640 * GB),
+    Chip("tpu7x", 192 * GB, 2307e12, 150e9, 6, 180 * GB, ("TPU7x", "TPU 7x"), 7380 * GB, 2),
+    Chip("h100", 80 * GB, 989e12, 450e9, 1, 250 * GB, ("H100",), 3350 * GB),
+    Chip("h200", 141 * GB, 989e12, 450e9, 1, 250 * GB, ("H200",), 4800 * GB),
 )}
 
 
@@ -47,15 +60,16 @@ def chip_named(name: str) -> Chip:
 
 
 def chip_for_device_kind(device_kind: str) -> Chip | None:
-    """The chip whose longest matching name appears in jax's device_kind (None for CPU)."""
+    """One device's share (Chip.per_device) of the chip whose longest matching name appears
+    in jax's device_kind; None for CPU."""
     matches = [(len(kind), chip) for chip in CHIPS.values() for kind in chip.device_kinds
                if kind.lower() in device_kind.lower()]
-    return max(matches, key=lambda m: m[0])[1] if matches else None
+    return max(matches, key=lambda m: m[0])[1].per_device() if matches else None
 
 
-def topology_chip_count(topology: str) -> int:
-    """'v5p:4x4x4' -> 64 chips."""
-    count = 1
+def topology_device_count(topology: str) -> int:
+    """'v5p:4x4x4' -> 64 devices; 'tpu7x:4x4x4' -> 128 (two per chip)."""
+    count = chip_named(topology).devices_per_chip
     for size in topology.split(":")[1].split("x"):
         count *= int(size)
     return count

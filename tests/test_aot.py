@@ -339,3 +339,27 @@ def test_all_gather_memory_grows_linearly_with_the_sequence():
     XLA hoisted every block's mask pred[s/c/bq, s/bkv, b, hkv, g, bq, bkv] out of the layer
     loop; kernels/xla.py now ties each mask to its block's keys.)"""
     assert compiled("all_gather", 2 * S).temp_bytes < 2.2 * compiled("all_gather", S).temp_bytes
+
+
+PALLAS_KERNELS = ("lctrain_flash_forward", "lctrain_flash_dq", "lctrain_flash_dkv")
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5p:2x2x1", "tpu7x:2x2x1"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
+def test_train_step_runs_our_pallas_kernel_through_mosaic(topology, strategy):
+    """The whole train step with attention.impl=pallas, compiled for the TPU with every
+    device in the context axis (4 v5p chips; 8 devices on tpu7x, two per chip): every
+    strategy's program calls our forward, dq and dk/dv kernels as Mosaic custom calls
+    (not an XLA fallback)."""
+    overrides = [*MODEL_SETS, f"parallel.strategy={strategy}", "mesh.context=-1", "mesh.data=1",
+                 "data.seq_len=8192", "data.batch_size=1", "attention.impl=pallas"]
+    if strategy == "usp":
+        overrides.append("parallel.ulysses=2")
+    compiled = aot.compile_train_step(load_recipe(None, overrides),
+                                      aot.topology_devices(topology))
+    mosaic_calls = [line for line in compiled.as_text().splitlines()
+                    if 'custom_call_target="tpu_custom_call"' in line]
+    for kernel in PALLAS_KERNELS:
+        assert any(kernel in line for line in mosaic_calls), kernel

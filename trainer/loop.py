@@ -31,7 +31,7 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None) -> Me
     parallel.strategy=auto (saying why), and builds the mesh."""
     devices = jax.devices() if devices is None else devices
     sizes = check_against_devices(recipe, len(devices))
-    choice = resolve_auto(recipe, sizes, device_memory_bytes(devices))
+    choice = resolve_auto(recipe, sizes, devices, device_memory_bytes(devices))
     if choice and console:
         console.print(choice, soft_wrap=True)
     strategy_class(recipe).check(recipe, sizes)

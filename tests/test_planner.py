@@ -1,0 +1,336 @@
+"""The planner (parallel/planner.py): its analytic figures against hand-computed ones
+(fast), `lctrain plan --json` (fast), the --max-seq search (fast), and its accuracy
+against XLA's own per-chip figures for a real TPU topology (slow, needs libtpu)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from lctrain.cli.main import app
+from lctrain.parallel import planner
+from lctrain.parallel.auto import choose_strategy
+from lctrain.parallel.chips import CHIPS
+from lctrain.recipes import load_recipe
+
+V5P = CHIPS["v5p"]
+CONTEXT4 = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+# The tiny preset pinned (2 layers, width 128, 8 query / 2 KV heads of 16, d_ff 384, vocab
+# 128), bfloat16, one sequence of 4096 tokens over 4 context-parallel chips.
+TINY = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_heads=8",
+        "model.n_kv_heads=2", "model.d_ff=384", "model.vocab=128", "model.dtype=bfloat16",
+        "data.seq_len=4096", "data.batch_size=1", "mesh.data=1", "mesh.context=4",
+        "parallel.strategy=all_gather")
+
+
+def tiny(*extra: str):
+    return load_recipe(None, [*TINY, *extra])
+
+
+# ------------------------------------------------------------ parameters ----
+
+def test_parameter_count_matches_the_model():
+    from lctrain.trainer.model import count_parameters
+    for preset in ("tiny", "llama3.1-8b", "llama3.1-70b"):
+        recipe = load_recipe(None, [f"model.preset={preset}"])
+        assert planner.count_parameters(recipe) == count_parameters(recipe.model)
+
+
+def test_state_and_gradient_bytes_by_hand():
+    # per layer: 2 norms (128) + wq, wo (128*8*16) + wk, wv (128*2*16) + 3 MLP (128*384)
+    layer = 2 * 128 + 2 * 16384 + 2 * 4096 + 3 * 49152
+    total = 2 * layer + 2 * 128 * 128 + 128          # + embedding, unembedding, final norm
+    assert planner.count_parameters(tiny()) == total == 410_240
+    # Width 128 splits 4 ways (context), so every tensor is sharded 4 ways.
+    estimate = planner.estimate(tiny(), CONTEXT4, V5P, "all_gather")
+    assert estimate.memory["state"] == 12 * total // 4        # f32 params + AdamW mu, nu
+    assert estimate.memory["gradients"] == 4 * total // 4
+    # bf16 copies of the layer stacks (how many: calibrated on compiled programs)
+    assert estimate.memory["weight_copies"] == pytest.approx(
+        planner.CALIBRATION["weight_copies"] * 2 * 2 * layer // 4)
+
+
+def test_dimensions_the_mesh_does_not_divide_stay_whole():
+    # Width 96 over 64 context chips: not divisible, so nothing is sharded.
+    recipe = tiny("model.d_model=96", "model.n_heads=6", "model.n_kv_heads=2")
+    sizes = {"data": 1, "fsdp": 1, "context": 64, "tensor": 1}
+    estimate = planner.estimate(recipe, sizes, V5P, "ring")
+    assert estimate.memory["state"] == 12 * planner.count_parameters(recipe)
+
+
+# --------------------------------------------------------- communication ----
+
+def test_ring_and_all_gather_traffic_by_hand():
+    """tests/test_aot.py's formulas (checked there against the compiled HLO): with kv = one
+    chip's chunk of K in bf16 and tok = its int32 positions."""
+    L, C, S, KV, D = 2, 4, 4096, 2, 16
+    kv, tok = S // C * KV * D * 2, S // C * 4
+    ring = planner.estimate(tiny(), CONTEXT4, V5P, "ring").comm_detail["strategy_ring"]
+    assert ring == L * C * (2 * kv + 2 * kv + 2 * tok + 6 * kv + 2 * tok) + C * 2 * tok
+    gather = planner.estimate(tiny(), CONTEXT4, V5P, "all_gather").comm_detail
+    share = (C - 1) / C
+    assert gather["strategy_kv"] == pytest.approx(
+        (2 * L * 2 * S * KV * D * 2 + (1 + L) * 2 * S * 4) * share)
+    assert gather["strategy_dkv"] == L * 2 * kv * (C - 1)
+
+
+def test_zero3_weight_and_gradient_traffic_by_hand():
+    """Each layer's matrices are gathered (bf16) twice per step over the 4 chips and their
+    gradient all-reduced in bf16; the loss head's weights once per loss chunk and
+    recomputation, its gradient all-reduced once per chunk."""
+    matrices = 2 * 16384 + 2 * 4096 + 3 * 49152
+    detail = planner.estimate(tiny(), CONTEXT4, V5P, "ring").comm_detail
+    assert detail["zero3_weights"] == pytest.approx(
+        2 * 2 * matrices * 2 * 3 / 4 + 6 * 2 * 128 * 4 * 3 / 4)
+    assert detail["gradients"] == pytest.approx((2 * matrices * 2 + 2 * 2 * 128 * 4) * 1.5)
+    chunks, _ = planner.loss_chunks(tiny(), 4)
+    assert chunks == 1                                  # 4096 tokens: one chunk
+    assert detail["loss_head_weights"] == pytest.approx(2 * 128 * 128 * 2 * 3 / 4)
+
+
+def test_ulysses_traffic_grows_with_the_degree_but_not_with_context_at_fixed_chunk():
+    """All-to-all bytes per device depend on the chunk per chip, not on the sequence."""
+    small = planner.estimate(tiny(), CONTEXT4, V5P, "ulysses").comm_detail
+    sizes8 = {**CONTEXT4, "context": 8}
+    large = planner.estimate(tiny("data.seq_len=8192", "mesh.context=8"), sizes8, V5P,
+                             "ulysses").comm_detail
+    # Same 1024-token chunk; the degree goes 4 -> 8 (7/8 vs 3/4 sent), KV heads are
+    # repeated to 4 and to 8.
+    q = 1024 * 8 * 16 * 2
+    assert small["strategy_all_to_all"] == pytest.approx(2 * 3 * (2 * q + 2 * 1024 * 4 * 16 * 2)
+                                                         * 3 / 4)
+    assert large["strategy_all_to_all"] == pytest.approx(2 * 3 * (2 * q + 2 * q) * 7 / 8)
+
+
+def test_all_gather_memory_grows_with_the_sequence_ring_memory_with_the_chunk():
+    """Twice the sequence on twice the chips: the same chunk per chip."""
+    sizes8 = {**CONTEXT4, "context": 8}
+    for strategy, grows in (("all_gather", True), ("ring", False)):
+        four = planner.estimate(tiny(), CONTEXT4, V5P, strategy).memory["attention"]
+        eight = planner.estimate(tiny("data.seq_len=8192", "mesh.context=8"), sizes8, V5P,
+                                 strategy).memory["attention"]
+        assert (eight > four) is grows and eight >= four
+
+
+def test_remat_policies_order_saved_activations():
+    saved = {policy: planner.estimate(tiny(f"remat.policy={policy}"), CONTEXT4, V5P,
+                                      "ring").memory["activations"]
+             for policy in ("full", "minimal", "save_all")}
+    assert saved["full"] == 2 * 1024 * 128 * 2        # layers x tokens x width x bf16
+    assert saved["full"] < saved["minimal"] < saved["save_all"]
+
+
+def test_offloaded_tensors_are_host_memory():
+    recipe = tiny("remat.policy=custom", "remat.tensors={mlpwi: offload, context: device}")
+    estimate = planner.estimate(recipe, CONTEXT4, V5P, "ring")
+    assert estimate.host["offloaded_activations"] == 2 * 1024 * 2 * 384 * 2
+    # the layer input (the scan carry) and the kept `context`, per layer and token
+    assert estimate.memory["activations"] == pytest.approx(
+        2 * 1024 * (128 + planner.CALIBRATION["saved_copies"] * 8 * 16) * 2)
+
+
+def test_candidates_follow_the_heads():
+    names = [p.name for p in planner.plan(tiny(), V5P, CONTEXT4).plans]
+    assert names == ["all_gather", "ulysses", "usp(u=2)", "ring"]
+    three_heads = tiny("model.n_heads=3", "model.n_kv_heads=1", "model.d_model=96")
+    result = planner.plan(three_heads, V5P, CONTEXT4)
+    assert [p.name for p in result.plans] == ["all_gather", "ring"]
+    assert "ulysses" in result.skipped and "usp" in result.skipped
+    one = planner.plan(tiny("mesh.context=1", "parallel.strategy=none"), V5P,
+                       {**CONTEXT4, "context": 1})
+    assert [p.name for p in one.plans] == ["none"]
+
+
+def test_recommendation_prefers_what_fits():
+    recipe = tiny()
+    small_chip = planner.plan(recipe, V5P, CONTEXT4)
+    assert small_chip.choice.fits
+    # A chip too small for anything: the least memory wins and the reason says so.
+    import dataclasses
+    tiny_chip = dataclasses.replace(V5P, hbm_bytes=1e3)
+    result = planner.plan(recipe, tiny_chip, CONTEXT4)
+    assert "none fits" in result.reason
+    assert result.choice.hbm_bytes == min(p.hbm_bytes for p in result.plans)
+
+
+def test_auto_uses_the_planner():
+    strategy, ulysses, reason = choose_strategy(tiny("parallel.strategy=auto"), CONTEXT4,
+                                                95 * 2**30, platform="tpu")
+    expected = planner.plan(tiny(), V5P, CONTEXT4, "tpu").choice
+    assert (strategy, ulysses) == (expected.strategy, expected.ulysses)
+    assert "GiB" in reason
+
+
+# ------------------------------------------------------------------ max seq ----
+
+@pytest.mark.parametrize("limit", [1, 127, 128, 4096, 5000, 1_000_000])
+def test_max_fitting_finds_the_last_length_that_fits(limit):
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= limit
+
+    found = planner.max_fitting(fits, 128)
+    assert found == limit // 128 * 128
+    assert found == 0 or fits(found)
+    assert not fits(found + 128)
+    assert all(n % 128 == 0 for n in calls)
+
+
+def test_max_fitting_with_few_bisection_steps_stays_on_the_fitting_side():
+    found = planner.max_fitting(lambda n: n <= 100_000, 128, bisect_steps=2)
+    assert 65_536 <= found <= 100_000
+
+
+def test_max_seq_len_fits_and_the_next_step_does_not():
+    import dataclasses
+    chip = dataclasses.replace(V5P, hbm_bytes=2 * 2**30)
+    recipe = tiny()
+    quantum = planner.sequence_quantum(recipe, CONTEXT4)
+    for strategy in ("all_gather", "ring"):
+        longest = planner.max_seq_len(recipe, CONTEXT4, chip, strategy)
+        assert longest > 0 and longest % quantum == 0
+        at = planner.estimate(planner.with_seq_len(recipe, longest), CONTEXT4, chip, strategy)
+        beyond = planner.estimate(planner.with_seq_len(recipe, longest + quantum), CONTEXT4,
+                                  chip, strategy)
+        assert at.fits and not beyond.fits
+
+
+def test_estimate_grows_with_the_sequence():
+    for strategy in ("all_gather", "ulysses", "ring", "usp"):
+        sizes = [planner.estimate(tiny(f"data.seq_len={s}"), CONTEXT4, V5P, strategy, 2).hbm_bytes
+                 for s in (1024, 2048, 4096, 8192, 16384)]
+        assert sizes == sorted(sizes)
+
+
+# ---------------------------------------------------------------------- CLI ----
+
+def plan_cli(*args):
+    return CliRunner().invoke(app, ["plan", *args])
+
+
+def test_plan_json_schema():
+    result = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY], "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["chip"] == "v5p" and out["mesh"]["context"] == 4
+    names = [s["strategy"] for s in out["strategies"]]
+    assert names == ["all_gather", "ulysses", "usp", "ring"]
+    for strategy in out["strategies"]:
+        for key in ("hbm_bytes_per_device", "host_bytes_per_device", "comm_bytes_per_step"):
+            assert isinstance(strategy[key], int) and strategy[key] >= 0
+        assert isinstance(strategy["fits"], bool)
+        assert set(strategy["comm_bytes_by_kind"]) == set(planner.KINDS)
+        assert strategy["comm_bytes_per_step"] == pytest.approx(
+            sum(strategy["comm_bytes_by_kind"].values()), abs=len(planner.KINDS))
+        assert 0 < strategy["mfu_upper_bound"] <= 1
+    assert out["recommendation"]["strategy"] in names
+    assert out["recommendation"]["reason"]
+
+
+def test_plan_table_and_max_seq():
+    result = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY], "--max-seq")
+    assert result.exit_code == 0, result.output
+    assert "recommended:" in result.output and "longest sequence" in result.output
+    result = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY], "--max-seq",
+                      "--json")
+    longest = json.loads(result.output)["max_seq_len"]
+    assert set(longest) == {"all_gather", "ulysses", "usp(u=2)", "ring"}
+    assert all(v["estimated"] > 4096 for v in longest.values())
+
+
+def test_plan_fills_the_mesh_from_the_topology():
+    result = plan_cli("--topology", "tpu7x:4x4x4", "--set", "mesh.data=1", "--set",
+                      "mesh.context=-1", "--set", "parallel.strategy=auto", "--set",
+                      "data.seq_len=4194304", "--set", "data.batch_size=1", "--set",
+                      "model.preset=llama3.1-8b", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["mesh"]["context"] == 128                 # two devices per TPU7x chip
+    assert out["hbm_bytes_per_device"] == 96e9
+    assert [s["strategy"] for s in out["strategies"]] == ["all_gather", "usp", "ring"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--topology", "v9x:2x2"], "unknown chip"),
+    (["--topology", "v5p"], "chip:AxBxC"),
+    (["--topology", "v5p:2x2x1", "--set", "mesh.context=3", "--set", "mesh.data=1",
+      "--set", "parallel.strategy=ring"], "mesh"),
+    (["--topology", "v5p:2x2x1", "--set", "model.nope=1"], "unknown recipe key"),
+])
+def test_plan_input_errors_exit_2_with_one_line(args, message):
+    result = plan_cli(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------- against XLA ----
+#
+# Accuracy grid on v5p:2x2x1 (mesh.context = 4, one sequence): the estimate against the
+# compiled program's per-chip HBM (arguments + outputs + temporaries - aliased) and
+# collective bytes (parallel/aot.py's counting). Each case is one compile (30 s to a few
+# minutes on two cores), so the default grid is small; LCTRAIN_PLANNER_GRID=full runs the
+# whole grid of the issue (2 models x 3 strategies x 2 remat policies x 2 lengths).
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="TPU AOT compiles need libtpu (the tpu extra)")
+
+MODELS = {
+    "tiny512": ("model.d_model=512", "model.n_heads=8", "model.n_kv_heads=2",
+                "model.d_ff=1536", "model.layers=2"),
+    "mid": ("model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=4",
+            "model.d_ff=3584", "model.layers=4", "model.vocab=32768"),
+}
+FULL_GRID = [(model, seq, remat, strategy) for model in MODELS for seq in (8192, 32768)
+             for remat in ("full", "minimal") for strategy in ("all_gather", "ulysses", "ring")]
+SMALL_GRID = [("tiny512", 8192, "full", "all_gather"), ("tiny512", 8192, "minimal", "ring"),
+              ("mid", 8192, "full", "ulysses")]
+GRID = FULL_GRID if os.environ.get("LCTRAIN_PLANNER_GRID") == "full" else SMALL_GRID
+# Over the full grid the planner reaches 14.3% worst for HBM and 2.9% for collectives
+# (see the module docstring of parallel/planner.py).
+HBM_TOLERANCE = 0.15
+COMM_TOLERANCE = 0.05
+
+
+def grid_recipe(model, seq, remat, strategy):
+    return load_recipe(None, ["model.dtype=bfloat16", *MODELS[model], f"data.seq_len={seq}",
+                              "data.batch_size=1", "mesh.data=1", "mesh.context=4",
+                              f"parallel.strategy={strategy}", f"remat.policy={remat}"])
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("model, seq, remat, strategy", GRID)
+def test_estimate_matches_the_compiler(model, seq, remat, strategy):
+    from lctrain.parallel import aot
+    recipe = grid_recipe(model, seq, remat, strategy)
+    compiled = planner.compile_figures(recipe, aot.topology_devices("v5p:2x2x1"))
+    estimate = planner.estimate(recipe, CONTEXT4, V5P, strategy)
+    hbm_gap = planner.gap_percent(estimate.hbm_bytes, compiled["hbm_bytes"])
+    comm_gap = planner.gap_percent(estimate.comm_bytes, sum(compiled["collective_bytes"].values()))
+    print(f"\n{model} {seq} {remat} {strategy}: HBM {compiled['hbm_bytes']:,} "
+          f"({hbm_gap:+.1f}%), collectives ({comm_gap:+.1f}%)")
+    assert abs(hbm_gap) <= 100 * HBM_TOLERANCE
+    assert abs(comm_gap) <= 100 * COMM_TOLERANCE
+    for kind, nbytes in compiled["collective_bytes"].items():
+        assert estimate.comm[kind] == pytest.approx(nbytes, rel=0.1, abs=0.02 * estimate.comm_bytes)
+
+
+@pytest.mark.parametrize("start", [128, 1024, 65536, 2**20])
+def test_max_fitting_from_any_start(start):
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= 40_000
+
+    assert planner.max_fitting(fits, 128, start=start) == 40_000 // 128 * 128
+    # From a start near the answer the search takes few probes (compiles, with --compile).
+    if start == 65536:
+        assert len(calls) <= 12
