@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 # The recipe's mesh.context is split in two: 'context' (the ring) x 'ulysses' (the
@@ -20,5 +21,12 @@ def build_mesh(axis_sizes: dict[str, int], ulysses: int = 1, devices=None) -> Me
     """
     sizes = {**axis_sizes, "context": axis_sizes["context"] // ulysses, "ulysses": ulysses}
     shape = tuple(sizes[name] for name in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except (ValueError, NotImplementedError):
+        # jax lays axes along the physical torus only when each is a product of whole
+        # torus dimensions (a 32-way axis does not cut a 4x4x4 v5p). Any shape still works
+        # with the devices in id order; neighbours on an axis may then be further apart.
+        devices = jax.devices() if devices is None else devices
+        return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
