@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lctrain import kernels
 from lctrain.parallel.sharding import LOGICAL_TO_MESH
@@ -60,6 +60,12 @@ class ContextStrategy:
             in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, TOKENS_SPEC, TOKENS_SPEC),
             out_specs=HEADS_SPEC, check_vma=False)
         return per_device(q, k, v, positions, segment_ids)
+
+    def split_tokens(self, x: jax.Array) -> jax.Array:
+        """Constrains a [batch, seq, ...] activation to rows over data x fsdp and tokens
+        over the context axes, the layout every strategy expects."""
+        spec = P(LOGICAL_TO_MESH["batch"], LOGICAL_TO_MESH["sequence"], *[None] * (x.ndim - 2))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def local_attention(self, q, k, v, positions, segment_ids):
         """One device's work: its [b, s/context, heads/tensor, d] chunk of q, k, v."""

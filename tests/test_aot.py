@@ -318,17 +318,17 @@ CHUNK = 2048
 @pytest.mark.slow
 @needs_libtpu
 def test_ring_memory_follows_the_chunk_all_gather_the_sequence():
-    """Four times the chips, four times the sequence, the same chunk per chip: ring holds
-    only chunk-sized K/V blocks in flight, so its temporaries stay (measured 47.5 MB at
-    c=4, 60.2 MB at c=16); all_gather holds the whole sequence's K/V and their f32
-    gradients, so its temporaries grow with it (49.7 -> 155.8 MB).
+    """Twice the chips, twice the sequence, the same chunk per chip: ring holds only
+    chunk-sized K/V blocks in flight, so its temporaries barely move (measured 47.5 MB at
+    c=4, 61.5 MB at c=8, 60.2 MB at c=16); all_gather holds the whole sequence's K/V and
+    their f32 gradients, so its temporaries grow with it (49.7 -> 103.0 -> 155.8 MB).
 
     (Before parallel/ring.py tied positions to K/V, XLA hoisted every ring step's
     position-only work out of the layer loop: 155 MB at c=4 for the GQA model.)"""
-    ring = [temp_bytes_at_fixed_chunk("ring", t) for t in ("v5p:2x2x1", "v5p:2x4x2")]
-    gather = [temp_bytes_at_fixed_chunk("all_gather", t) for t in ("v5p:2x2x1", "v5p:2x4x2")]
-    assert ring[1] < 1.5 * ring[0]
-    assert gather[1] > 2.5 * gather[0]
+    ring = [temp_bytes_at_fixed_chunk("ring", t) for t in ("v5p:2x2x1", "v5p:2x2x2")]
+    gather = [temp_bytes_at_fixed_chunk("all_gather", t) for t in ("v5p:2x2x1", "v5p:2x2x2")]
+    assert ring[1] < 1.4 * ring[0]
+    assert gather[1] > 1.8 * gather[0]
 
 
 @pytest.mark.slow
@@ -346,8 +346,10 @@ PALLAS_KERNELS = ("lctrain_flash_forward", "lctrain_flash_dq", "lctrain_flash_dk
 
 @pytest.mark.slow
 @needs_libtpu
-@pytest.mark.parametrize("topology", ["v5p:2x2x1", "tpu7x:2x2x1"])
-@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
+@pytest.mark.parametrize("topology, strategy", [
+    *[("v5p:2x2x1", strategy) for strategy in ("all_gather", "ulysses", "ring", "usp")],
+    # On tpu7x the two that call the kernel per ring step (CI time: one compile each).
+    ("tpu7x:2x2x1", "ring"), ("tpu7x:2x2x1", "usp")])
 def test_train_step_runs_our_pallas_kernel_through_mosaic(topology, strategy):
     """The whole train step with attention.impl=pallas, compiled for the TPU with every
     device in the context axis (4 v5p chips; 8 devices on tpu7x, two per chip): every

@@ -53,7 +53,8 @@ def loss_and_grads(recipe, devices):
     def mean_loss(params):
         model = nnx.merge(graphdef, params)
         hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                       attend=strategy.attend, remat_policy=remat_policy(recipe.remat))
+                       attend=strategy.attend, split_tokens=strategy.split_tokens,
+                       remat_policy=remat_policy(recipe.remat))
         total, count = next_token_loss(hidden, model.output_weights(), batch["targets"],
                                        batch["loss_mask"])
         return total / count
@@ -126,8 +127,6 @@ def test_load_balanced_order_pairs_chunks_from_both_ends():
 
 @pytest.mark.parametrize("overrides, context, expected", [
     ([], 8, ("all_gather", 1)),
-    (["model.preset=llama3.1-8b", "data.seq_len=1048576", "data.batch_size=1"], 8,
-     ("ulysses", 1)),
     (["model.preset=llama3.1-8b", "data.seq_len=1048576", "data.batch_size=1"], 64,
      ("usp", 32)),
     (["model.preset=llama3.1-8b", "model.n_heads=3", "model.n_kv_heads=1", "model.d_model=384",

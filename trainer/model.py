@@ -64,11 +64,15 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
     return jnp.where(wavelength < original_context / high_freq_factor, inv_freq, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates [b, s, heads, d] by each token's true position (rotate-half convention)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, d/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+def rotary_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [b, s, 1, d/2] of each token's true position, shared by all layers."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, rotary: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates [b, s, heads, d] by the rotary tables (rotate-half convention)."""
+    cos, sin = rotary
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x.dtype)
@@ -82,13 +86,13 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), e)
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), h * d)
 
-    def __call__(self, x, positions, segment_ids, inv_freq, attend: Attend):
+    def __call__(self, x, positions, segment_ids, rotary, attend: Attend):
         dtype = x.dtype
         q = checkpoint_name(jnp.einsum("bse,ehd->bshd", x, _weight(self.wq, dtype)), "query_proj")
         k = checkpoint_name(jnp.einsum("bse,ehd->bshd", x, _weight(self.wk, dtype)), "key_proj")
         v = checkpoint_name(jnp.einsum("bse,ehd->bshd", x, _weight(self.wv, dtype)), "value_proj")
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, rotary)
+        k = apply_rope(k, rotary)
         context = checkpoint_name(attend(q, k, v, positions, segment_ids), "context")
         out = jnp.einsum("bshd,hde->bse", context, _weight(self.wo, dtype))
         return checkpoint_name(out, "out_proj")
@@ -115,9 +119,9 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, segment_ids, inv_freq, attend: Attend):
+    def __call__(self, x, positions, segment_ids, rotary, attend: Attend):
         x = checkpoint_name(x, "decoder_layer_input")
-        x = x + self.attention(self.attention_norm(x), positions, segment_ids, inv_freq, attend)
+        x = x + self.attention(self.attention_norm(x), positions, segment_ids, rotary, attend)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -150,16 +154,22 @@ class Transformer(nnx.Module):
         return self.unembedding[...]
 
     def __call__(self, tokens, positions, segment_ids, *, attend: Attend,
-                 remat_policy: Callable | None = None) -> jax.Array:
-        """Final (normalized) hidden states [b, s, d_model] in the compute dtype."""
+                 remat_policy: Callable | None = None,
+                 split_tokens: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
+        """Final (normalized) hidden states [b, s, d_model] in the compute dtype.
+
+        `split_tokens` pins a [b, s, ...] activation to the devices holding its tokens (the
+        strategy's sharding constraint); without it XLA may, e.g., build the rotary tables
+        for the whole sequence on every device."""
         dtype = jnp.dtype(self.cfg.dtype)
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
-        inv_freq = rope_inverse_frequencies(self.cfg)
+        x = split_tokens(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype))
+        rotary = tuple(map(split_tokens, rotary_tables(positions,
+                                                       rope_inverse_frequencies(self.cfg))))
         graphdef, stacked = nnx.split(self.layers)
 
         def one_layer(x, layer_state):
             layer = nnx.merge(graphdef, layer_state)
-            return layer(x, positions, segment_ids, inv_freq, attend), None
+            return split_tokens(layer(x, positions, segment_ids, rotary, attend)), None
 
         if remat_policy is not None:
             one_layer = jax.checkpoint(one_layer, policy=remat_policy, prevent_cse=False)

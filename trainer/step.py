@@ -101,7 +101,8 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrat
     def loss_sums(params, batch):
         model = nnx.merge(trainable.graphdef, params)
         hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                       attend=strategy.attend, remat_policy=policy)
+                       attend=strategy.attend, split_tokens=strategy.split_tokens,
+                       remat_policy=policy)
         return next_token_loss(hidden, model.output_weights(), batch["targets"],
                                batch["loss_mask"], recipe.train.z_loss, recipe.loss,
                                sequence_shards=strategy.context)
