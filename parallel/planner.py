@@ -25,9 +25,9 @@ Communication, bytes one device RECEIVES per step (the convention of parallel/ao
                    their gradient is all-reduced once per chunk (f32; the compute dtype
                    for a head past HEAD_GRADIENT_F32_LIMIT): n_chunks x the head, which
                    at long context outweighs the strategy's own traffic.
-  embedding        token ids all-gathered over Z, the looked-up rows all-to-all'd from
-                   width-sharded to sequence-sharded (forward, compute dtype); backward:
-                   the f32 rows sent back, or the f32 table all-reduced, the smaller.
+  embedding        token ids all-gathered over Z (the looked-up rows are pinned to their
+                   tokens' devices, so no reshuffle follows); backward: the f32 rows
+                   sent to the width shards, or the f32 table all-reduced, the smaller.
   strategy         all_gather: K, V (+ int32 positions, segment ids) gathered per layer
                    in the forward and in each recomputation of it, dK, dV reduce-scattered
                    once; ulysses: 4 all-to-alls (q, k, v, out) per forward pass, 4 in the
@@ -561,7 +561,6 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
     # it picks the smaller (the table for a small vocabulary).
     table = ("all-reduce", embed_full * F32 * gf)
     rows_back = ("all-to-all", rows_all * dm.e * F32 * zf)
-    detail["embedding"] = ("all-to-all", rows_all * dm.e * p * zf)
     detail["embedding_gradient"] = min(table, rows_back, key=lambda kb: kb[1])
     detail["token_ids"] = ("all-gather", rows_all * dm.z * (INT32 + 1) * zf)
     passes = 2 if attention_recomputed else 1          # forward runs of attention per step
