@@ -134,7 +134,7 @@ def plan(
             devices = aot.topology_devices(topology)
         except (RuntimeError, ValueError) as err:
             fail(str(err))
-        planner.attach_compiled(result, loaded, devices)
+        planner.attach_compiled(result, loaded, devices, progress=error_console.print)
     longest = planner.longest_sequences(result, loaded, platform, devices) if max_seq else {}
     if as_json:
         out = result.as_json()
@@ -143,12 +143,12 @@ def plan(
         typer.echo(json.dumps(out, indent=2))
         return
     # Rich would fold the table to 80 columns in a pipe or a file; it is meant to be read whole.
-    out = console if console.is_terminal else Console(width=160)
-    planner.render(result, out, title=f"{loaded.model.preset}, seq {loaded.data.seq_len:,}, "
+    wide = console if console.is_terminal else Console(width=160)
+    planner.render(result, wide, title=f"{loaded.model.preset}, seq {loaded.data.seq_len:,}, "
                                           f"batch {loaded.data.batch_size}, {topology}, "
                                           f"mesh {sizes}, remat {loaded.remat.policy}")
     if max_seq:
-        planner.render_max_seq(longest, out)
+        planner.render_max_seq(longest, wide)
 
 
 if __name__ == "__main__":

@@ -879,9 +879,12 @@ def compiled_fits(figures: dict, chip: Chip) -> bool:
             and (figures.get("host_bytes") or 0) <= chip.host_bytes)
 
 
-def attach_compiled(result: Plan, recipe: Recipe, devices) -> None:
-    """Compiles every strategy of the plan for `devices` and records XLA's figures."""
+def attach_compiled(result: Plan, recipe: Recipe, devices,
+                    progress: Callable[[str], None] = lambda _: None) -> None:
+    """Compiles every strategy of the plan for `devices` and records XLA's figures,
+    telling `progress` which one it starts (each can take minutes)."""
     for strategy_plan in result.plans:
+        progress(f"compiling {strategy_plan.name} for {len(devices)} devices ...")
         variant = recipe_for_strategy(recipe, strategy_plan.strategy, strategy_plan.ulysses)
         strategy_plan.compiled = compile_figures(variant, devices)
 
