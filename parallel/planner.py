@@ -72,8 +72,8 @@ assignment is larger than the live peak. CALIBRATION holds how many copies of ea
 count, fitted on programs compiled for v5p:2x2x1 (mesh.context 4, one sequence): a
 2-layer width-512 and a 4-layer width-1024 / vocab-32K model x all_gather, ulysses, ring
 x remat full, minimal x 8K, 32K tokens with attention.impl=xla (24), plus usp and the
-pallas kernel on four of them. On those 28 programs the estimate is within 14.3% of
-XLA's per-chip HBM (rms 6.4%) and within 3% of its collective bytes (what is left: with
+pallas kernel on four of them. On those 28 programs the estimate is within 13.6% of
+XLA's per-chip HBM (rms 6.3%) and within 3% of its collective bytes (what is left: with
 ulysses and full remat XLA gathers wq, wk, wv once more; dK/dV lowered half as
 reduce-scatter, half as all-reduce). Not fitted on, llama3.1-8b on the same 4 chips
 (128K-512K tokens, ring and all_gather, with and without offload or loss chunking) lands
