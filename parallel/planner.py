@@ -419,6 +419,15 @@ def loss_chunks(recipe: Recipe, c: int) -> tuple[int, int]:
     return n, -(-part // n)
 
 
+def mlp_chunk_len(recipe: Recipe, c: int) -> int:
+    """Tokens per sequence per device the MLP works on at a time (remat.mlp_chunk_tokens,
+    cut as trainer/token_chunks.py cuts them)."""
+    from lctrain.trainer.token_chunks import TokenChunks, chunks_for
+    s = recipe.data.seq_len
+    chunks: TokenChunks | None = chunks_for(recipe.remat.mlp_chunk_tokens, s, c)
+    return chunks.piece_len if chunks else s // c
+
+
 def kernel_impl(recipe: Recipe, platform: str) -> str:
     """The attention kernel the run uses on `platform` (kernels.resolve_impl's rule)."""
     impl = recipe.attention.impl
@@ -493,6 +502,7 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
     n_chunks, chunk_tokens = loss_chunks(recipe, dm.c)
     impl = kernel_impl(recipe, platform)
     tokens = b * s_l                                  # per device per micro-batch
+    mlp_tokens = b * mlp_chunk_len(recipe, dm.c)      # the MLP's [tokens, d_ff] at a time
     kv_heads_u = math.lcm(dm.kv, dm.u) if dm.u > 1 and dm.kv % dm.u else dm.kv
 
     # ---------------------------------------------------------------- memory --
@@ -520,8 +530,8 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
         # the embedding's full f32 gradient, where XLA all-reduces the table (see comm)
         "embedding_gradient": F32 * embed_full if embedding_table_grad else 0.0,
         "layer_weights": 3 * p * layer_gathered,
-        "layer_backward": CALIBRATION["layer_backward"] * tokens * (5 * dm.f * p
-                                                                   + 6 * dm.e * p),
+        "layer_backward": CALIBRATION["layer_backward"] * (mlp_tokens * 5 * dm.f * p
+                                                           + tokens * 6 * dm.e * p),
     }
     memory.update(_attention_memory(dm, strategy, impl, recipe, platform))
     memory["attention"] *= CALIBRATION["ring_attention_copies" if dm.r > 1 else

@@ -231,6 +231,8 @@ def _validate_remat(recipe: Recipe) -> None:
     if r.policy != "custom":
         _require(not r.tensors, "remat.tensors", r.tensors,
                  f"only used with remat.policy=custom (policy is '{r.policy}')")
+    _require(r.mlp_chunk_tokens >= 0, "remat.mlp_chunk_tokens", r.mlp_chunk_tokens,
+             "use a positive number of tokens, or 0 to run the MLP unchunked")
 
 
 def check_host_memory(recipe: Recipe, memory_kinds: set[str]) -> None:

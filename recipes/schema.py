@@ -134,6 +134,11 @@ class RematConfig:
     tensors: dict[str, Literal["remat", "device", "offload"]] = option(
         {}, "custom only: tensor name -> remat | device | offload (to pinned host memory). "
             "Names: " + ", ".join(REMAT_TENSORS) + ".")
+    mlp_chunk_tokens: int = option(
+        0, "Tokens per chunk (whole sequence, all devices together) of every layer's MLP: "
+           "its [tokens, d_ff] intermediates then exist one chunk at a time and are "
+           "recomputed in backward (so mlpwi/mlpwo are never saved); 0 runs the MLP on the "
+           "whole sequence at once.")
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """Recipe loading: types, overrides, presets and every error a user can make."""
 
+from pathlib import Path
+
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from lctrain.cli.main import app
@@ -106,9 +109,16 @@ def test_cli_reports_bad_input_in_one_line_and_exits_2(args, words, tmp_path):
 
 
 def test_readme_recipe_reference_is_current():
-    from pathlib import Path
-
     from lctrain.recipes.reference import recipe_reference
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert recipe_reference() in readme, "run: python -m lctrain.recipes.reference"
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_recipes_load_with_every_value_they_set(path):
+    recipe = load_recipe(str(path))
+    for section, values in yaml.safe_load(path.read_text()).items():
+        for key, value in values.items():
+            assert getattr(getattr(recipe, section), key) == value, f"{section}.{key}"

@@ -13,10 +13,8 @@ from lctrain.parallel import STRATEGIES, load_balanced_order, make_strategy
 from lctrain.recipes import load_recipe
 from lctrain.trainer.data import Batch
 from lctrain.trainer.loop import device_batch, mesh_for
-from lctrain.trainer.loss import next_token_loss
 from lctrain.trainer.model import Transformer
-from lctrain.trainer.step import BATCH_FIELDS
-from lctrain.trainer.remat import remat_policy
+from lctrain.trainer.step import BATCH_FIELDS, make_loss_sums
 
 SEQ, BATCH = 64, 4
 RTOL, ATOL = 1e-5, 1e-6
@@ -50,13 +48,10 @@ def loss_and_grads(recipe, devices):
         *(getattr(fixed, name)[rows] for name in BATCH_FIELDS)))
     batch = device_batch(source, 0, strategy.sequence_order(recipe.data.seq_len), mesh)
 
+    loss_sums = make_loss_sums(recipe, graphdef, strategy)
+
     def mean_loss(params):
-        model = nnx.merge(graphdef, params)
-        hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                       attend=strategy.attend, split_tokens=strategy.split_tokens,
-                       remat_policy=remat_policy(recipe.remat))
-        total, count = next_token_loss(hidden, model.output_weights(), batch["targets"],
-                                       batch["loss_mask"])
+        total, count = loss_sums(params, batch)
         return total / count
 
     loss, grads = jax.jit(jax.value_and_grad(mean_loss))(params)
@@ -140,3 +135,18 @@ def test_auto_strategy_choice(overrides, context, expected):
     strategy, ulysses, reason = choose_strategy(recipe, sizes, device_memory=95 * 2**30)
     assert (strategy, ulysses) == expected
     assert "GiB" in reason
+
+
+# remat.mlp_chunk_tokens: the MLP one chunk of tokens at a time, on one device and under
+# strategies (chunks spread over the context shards; 24 tokens leave padding per shard).
+MLP_CHUNK_CASES = [("none", {"data": 1}, 24, "full"), ("ring", MESHES["context8"], 16, "full"),
+                   ("ulysses", MESHES["data2_context4"], 24, "minimal"),
+                   ("all_gather", MESHES["fsdp2_context2_tensor2"], 16, "full")]
+
+
+@pytest.mark.parametrize("strategy, mesh, chunk_tokens, policy", MLP_CHUNK_CASES)
+def test_chunked_mlp_matches_single_device(reference, strategy, mesh, chunk_tokens, policy):
+    recipe = recipe_for(strategy, mesh, 2, extra=[f"remat.mlp_chunk_tokens={chunk_tokens}",
+                                                 f"remat.policy={policy}"])
+    devices = jax.devices()[:1] if strategy == "none" else jax.devices()
+    assert_matches(reference[2], *loss_and_grads(recipe, devices))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from lctrain.recipes.schema import LossConfig
+from lctrain.trainer.token_chunks import TokenChunks
 
 # loss.chunk_tokens = null: chunks of up to this many tokens per sequence. One chunk's f32
 # logits then take batch x 4096 x vocab x 4 bytes before sharding (2 GB for one Llama 3
@@ -72,45 +73,17 @@ def _per_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.A
 
 def _chunked_per_token_loss(hidden, output_weights, targets, loss_mask, z_loss,
                             chunk_tokens: int, shards: int) -> tuple[jax.Array, jax.Array]:
-    """Per-token losses and the mask, both [n_chunks, b, chunk_len], one chunk at a time.
+    """Per-token losses and the mask, both [n_chunks, b, chunk_len], one chunk at a time
+    (chunks as trainer/token_chunks.py cuts them: each spread over all `shards`)."""
+    chunks = TokenChunks(targets.shape[1], chunk_tokens, shards)
 
-    Each of the `shards` contiguous parts of the sequence (one per device when it is
-    sharded over the context axis) is cut into the same n_chunks strided pieces: piece k
-    holds the part's tokens k, k + n_chunks, k + 2 n_chunks, ...; chunk k is piece k of
-    every part. So every chunk takes its tokens from every device's own part of the
-    sequence, and each device computes the logits of its own tokens, as in the unchunked
-    loss. (Contiguous chunks would each live on one device: the scan would keep the others
-    idle or move tokens between devices.) Which chunk a token lands in does not change
-    the sum.
-
-    A part of s / shards tokens is cut into n_chunks pieces of at most
-    chunk_tokens / shards tokens; when n_chunks does not divide the part, each part is
-    padded at its end with fewer than n_chunks masked tokens: the padding stays on its
-    device, where padding the whole sequence would shift tokens across devices.
-    """
-    b, s = targets.shape
-    if s % shards:
-        raise ValueError(f"sequence length {s} is not divisible by sequence_shards={shards}")
-    part_len = s // shards
-    piece_limit = max(chunk_tokens // shards, 1)   # a chunk has >= 1 token of every part
-    n_chunks = -(-part_len // piece_limit)
-    piece_len = -(-part_len // n_chunks)
-    padding = n_chunks * piece_len - part_len
-
-    def to_chunks(x):  # [b, s, ...] -> [n_chunks, b, shards * piece_len, ...]
-        rest = x.shape[2:]
-        x = x.reshape(b, shards, part_len, *rest)
-        x = jnp.pad(x, [(0, 0), (0, 0), (0, padding)] + [(0, 0)] * len(rest))
-        x = jnp.moveaxis(x.reshape(b, shards, piece_len, n_chunks, *rest), 3, 0)
-        return x.reshape(n_chunks, b, shards * piece_len, *rest)
-
-    # Remat: backward keeps only each chunk's inputs and recomputes its logits. prevent_cse
-    # is only needed outside a scan (the docs recommend False inside one).
+    # Remat: backward keeps only each chunk's inputs and recomputes its logits.
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk_loss(carry, chunk):
         chunk_hidden, chunk_targets = chunk
         return carry, _per_token_loss(chunk_hidden, output_weights, chunk_targets, z_loss)
 
-    _, per_token = jax.lax.scan(chunk_loss, None, (to_chunks(hidden), to_chunks(targets)))
+    _, per_token = jax.lax.scan(chunk_loss, None,
+                                (chunks.split(hidden), chunks.split(targets)))
     # Padding gets mask 0 (and target 0, a valid index), so it adds nothing to loss or grads.
-    return per_token, to_chunks(loss_mask)
+    return per_token, chunks.split(loss_mask)

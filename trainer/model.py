@@ -17,6 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lctrain.recipes.schema import ModelConfig
+from lctrain.trainer.token_chunks import TokenChunks
 
 
 class Attend(Protocol):
@@ -105,11 +106,21 @@ class MLP(nnx.Module):
         self.up = _param(rngs, (e, f), ("embed", "mlp"), e)
         self.down = _param(rngs, (f, e), ("mlp", "embed"), f)
 
-    def __call__(self, x):
-        dtype = x.dtype
-        gate = checkpoint_name(x @ _weight(self.gate, dtype), "mlpwi")
-        up = checkpoint_name(x @ _weight(self.up, dtype), "mlpwi")
-        return checkpoint_name((jax.nn.silu(gate) * up) @ _weight(self.down, dtype), "mlpwo")
+    def __call__(self, x, chunks: TokenChunks | None = None):
+        """SwiGLU over [b, s, e]; with `chunks`, one chunk of tokens at a time."""
+        if chunks is None:
+            return swiglu(x, self.gate[...], self.up[...], self.down[...])
+        # The float32 master weights go into the chunk loop, so their gradients add up
+        # over the chunks in float32 rather than in the compute dtype.
+        return chunks.map(lambda chunk: swiglu(chunk, self.gate[...], self.up[...],
+                                               self.down[...]), x)
+
+
+def swiglu(x, gate, up, down):
+    dtype = x.dtype
+    gate = checkpoint_name(x @ gate.astype(dtype), "mlpwi")
+    up = checkpoint_name(x @ up.astype(dtype), "mlpwi")
+    return checkpoint_name((jax.nn.silu(gate) * up) @ down.astype(dtype), "mlpwo")
 
 
 class DecoderLayer(nnx.Module):
@@ -119,10 +130,11 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, segment_ids, rotary, attend: Attend):
+    def __call__(self, x, positions, segment_ids, rotary, attend: Attend,
+                 mlp_chunks: TokenChunks | None = None):
         x = checkpoint_name(x, "decoder_layer_input")
         x = x + self.attention(self.attention_norm(x), positions, segment_ids, rotary, attend)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x), mlp_chunks)
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -155,12 +167,14 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, positions, segment_ids, *, attend: Attend,
                  remat_policy: Callable | None = None,
-                 split_tokens: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
+                 split_tokens: Callable[[jax.Array], jax.Array] = lambda x: x,
+                 mlp_chunks: TokenChunks | None = None) -> jax.Array:
         """Final (normalized) hidden states [b, s, d_model] in the compute dtype.
 
         `split_tokens` pins a [b, s, ...] activation to the devices holding its tokens (the
         strategy's sharding constraint); without it XLA may, e.g., build the rotary tables
-        for the whole sequence on every device."""
+        for the whole sequence on every device. `mlp_chunks` runs each MLP one chunk of
+        tokens at a time (remat.mlp_chunk_tokens)."""
         dtype = jnp.dtype(self.cfg.dtype)
         x = split_tokens(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype))
         rotary = tuple(map(split_tokens, rotary_tables(positions,
@@ -169,7 +183,7 @@ class Transformer(nnx.Module):
 
         def one_layer(x, layer_state):
             layer = nnx.merge(graphdef, layer_state)
-            return split_tokens(layer(x, positions, segment_ids, rotary, attend)), None
+            return split_tokens(layer(x, positions, segment_ids, rotary, attend, mlp_chunks)), None
 
         if remat_policy is not None:
             one_layer = jax.checkpoint(one_layer, policy=remat_policy, prevent_cse=False)

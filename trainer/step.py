@@ -19,6 +19,7 @@ from .loss import next_token_loss
 from .model import Transformer
 from .optimizer import learning_rate_schedule, make_optimizer
 from .remat import remat_policy
+from .token_chunks import chunks_for
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 HOST = "pinned_host"   # the memory kind optimizer.offload keeps the moments in
@@ -91,21 +92,32 @@ def batch_shardings(mesh: Mesh) -> dict[str, Any]:
     return {name: batch_sharding(mesh) for name in BATCH_FIELDS}
 
 
-def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrategy,
-                    mesh: Mesh) -> Callable:
-    """The jitted step: (state, batch) -> (new state, metrics); the state is donated."""
+def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
+                   strategy: ContextStrategy) -> Callable:
+    """(params, batch) -> (sum of token losses, counted tokens): the model and loss as the
+    train step differentiates them."""
     policy = remat_policy(recipe.remat)
-    accum_steps = recipe.train.grad_accum_steps
-    schedule = learning_rate_schedule(recipe.train)
 
     def loss_sums(params, batch):
-        model = nnx.merge(trainable.graphdef, params)
+        model = nnx.merge(graphdef, params)
+        mlp_chunks = chunks_for(recipe.remat.mlp_chunk_tokens, batch["inputs"].shape[1],
+                                strategy.context)
         hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
                        attend=strategy.attend, split_tokens=strategy.split_tokens,
-                       remat_policy=policy)
+                       remat_policy=policy, mlp_chunks=mlp_chunks)
         return next_token_loss(hidden, model.output_weights(), batch["targets"],
                                batch["loss_mask"], recipe.train.z_loss, recipe.loss,
                                sequence_shards=strategy.context)
+
+    return loss_sums
+
+
+def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrategy,
+                    mesh: Mesh) -> Callable:
+    """The jitted step: (state, batch) -> (new state, metrics); the state is donated."""
+    accum_steps = recipe.train.grad_accum_steps
+    schedule = learning_rate_schedule(recipe.train)
+    loss_sums = make_loss_sums(recipe, trainable.graphdef, strategy)
 
     sums_and_grads = jax.value_and_grad(loss_sums, has_aux=True)
 
