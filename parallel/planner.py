@@ -56,8 +56,9 @@ Memory: a program's peak is what is alive together; per device
   loss             the output weights gathered and their full f32 gradient, one chunk's
                    f32 logits, the hidden states cut into chunks and their gradient;
   layers           f32 gradients (sharded), one layer's gathered weights and full
-                   gradient, the layer's recomputed intermediates, the strategy's
-                   attention working set (gathered K/V and their f32 gradients; head-
+                   gradient, the layer's recomputed intermediates (the MLP's
+                   [tokens, d_ff] ones for one chunk with remat.mlp_chunk_tokens), the
+                   strategy's attention working set (gathered K/V and their f32 gradients; head-
                    sharded q, k, v, out; rotating K/V, f32 dK/dV and out/dq
                    accumulators), the xla kernel's block scores or the pallas kernel's
                    head-major copies of q, k, v, out, dout.
@@ -90,6 +91,7 @@ from typing import Callable, Iterable
 
 from lctrain.parallel.chips import Chip
 from lctrain.recipes.schema import Recipe
+from lctrain.trainer.token_chunks import chunks_for
 
 BYTES = {"bfloat16": 2, "float32": 4}
 F32, INT32 = 4, 4
@@ -126,9 +128,12 @@ CALIBRATION = {
     # The same for the ring's rotating blocks and accumulators: XLA overlaps them with the
     # layer's other backward buffers more than the gathered or head-sharded tensors.
     "ring_attention_copies": 0.35,
-    # One layer's backward intermediates, in units of 5 [b, s_l, d_ff] (gate, up,
-    # silu(gate) * up and two gradients) + 6 [b, s_l, d_model] tensors (compute dtype).
+    # One layer's backward MLP intermediates, in units of 5 [b, tokens, d_ff] (gate, up,
+    # silu(gate) * up and two gradients; tokens: one chunk with remat.mlp_chunk_tokens).
     "layer_backward": 1.0,
+    # [b, s_l, d_model] compute-dtype tensors alive in one layer's backward (inputs,
+    # residuals, norms, projections and their gradients).
+    "layer_width_tensors": 6.0,
     # Saved named tensors (minimal, custom) per copy the policy implies: XLA keeps the
     # scan's stacked residuals and a relayout of some of them.
     "saved_copies": 1.5,
@@ -422,9 +427,8 @@ def loss_chunks(recipe: Recipe, c: int) -> tuple[int, int]:
 def mlp_chunk_len(recipe: Recipe, c: int) -> int:
     """Tokens per sequence per device the MLP works on at a time (remat.mlp_chunk_tokens,
     cut as trainer/token_chunks.py cuts them)."""
-    from lctrain.trainer.token_chunks import TokenChunks, chunks_for
     s = recipe.data.seq_len
-    chunks: TokenChunks | None = chunks_for(recipe.remat.mlp_chunk_tokens, s, c)
+    chunks = chunks_for(recipe.remat.mlp_chunk_tokens, s, c)
     return chunks.piece_len if chunks else s // c
 
 
@@ -496,6 +500,11 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
     layer_gathered = sum(local_elements(t, axis_sizes, shard=("heads", "kv_heads", "mlp"))
                          for t in layer_matrices)
     by_name = {t.name: t for t in tensors}
+    # remat.mlp_chunk_tokens: the MLP matrices are gathered once before the chunk loop and
+    # kept float32 there, their gradient summed over the chunks and reduced in float32.
+    mlp_chunked = chunks_for(recipe.remat.mlp_chunk_tokens, recipe.data.seq_len, dm.c) is not None
+    mlp_gathered = sum(local_elements(by_name[name], axis_sizes, shard=("mlp",))
+                       for name in ("gate", "up", "down")) if mlp_chunked else 0
     head = by_name.get("unembedding") or by_name["embedding"]
     head_full = local_elements(head, axis_sizes, shard=("vocab",))
     embed_full = local_elements(by_name["embedding"], axis_sizes, shard=("vocab",))
@@ -529,9 +538,9 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
         "gradients": CALIBRATION["gradient_copies"] * F32 * params_local,
         # the embedding's full f32 gradient, where XLA all-reduces the table (see comm)
         "embedding_gradient": F32 * embed_full if embedding_table_grad else 0.0,
-        "layer_weights": 3 * p * layer_gathered,
-        "layer_backward": CALIBRATION["layer_backward"] * (mlp_tokens * 5 * dm.f * p
-                                                           + tokens * 6 * dm.e * p),
+        "layer_weights": 3 * p * layer_gathered + 2 * F32 * mlp_gathered,
+        "layer_backward": (CALIBRATION["layer_backward"] * mlp_tokens * 5 * dm.f * p
+                           + CALIBRATION["layer_width_tensors"] * tokens * dm.e * p),
     }
     memory.update(_attention_memory(dm, strategy, impl, recipe, platform))
     memory["attention"] *= CALIBRATION["ring_attention_copies" if dm.r > 1 else
@@ -557,7 +566,7 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
     detail: dict[str, tuple[str, float]] = {}
     detail["zero3_weights"] = ("all-gather", 2 * L * layer_gathered * p * zf
                                + 6 * L * dm.e * F32 * zf)
-    detail["gradients"] = ("all-reduce", L * layer_gathered * p * gf
+    detail["gradients"] = ("all-reduce", L * (layer_gathered * p + mlp_gathered * (F32 - p)) * gf
                            + L * len(norms) * dm.e * F32 * gf)
     detail["loss_head_weights"] = ("all-gather", 2 * n_chunks * head_full * p * zf)
     # The output weights' gradient is all-reduced per chunk in f32; for a head whose f32

@@ -43,6 +43,12 @@ def logical_spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...
     return P(*spec)
 
 
+def gathered_spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P:
+    """A parameter as a layer computes with it: whole over the ZeRO-3 axes, still split
+    over tensor."""
+    return logical_spec(mesh, tuple(None if name == "embed" else name for name in axes), shape)
+
+
 def parameter_shardings(mesh: Mesh, abstract_state: nnx.State) -> dict:
     """NamedShardings (as a pure dict, like the parameters) from each Param's `axes`."""
     def sharding(variable: nnx.Variable) -> NamedSharding:

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lctrain import kernels
-from lctrain.parallel.sharding import LOGICAL_TO_MESH
+from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_spec
 from lctrain.recipes.schema import Recipe
 
 CONTEXT_AXIS = "context"
@@ -66,6 +66,12 @@ class ContextStrategy:
         over the context axes, the layout every strategy expects."""
         spec = P(LOGICAL_TO_MESH["batch"], LOGICAL_TO_MESH["sequence"], *[None] * (x.ndim - 2))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def gather_weight(self, w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        """Constrains a parameter (logical `axes`) to whole on every device but for tensor
+        parallelism: gathered where this is called, e.g. once before a loop that uses it."""
+        return jax.lax.with_sharding_constraint(
+            w, NamedSharding(self.mesh, gathered_spec(self.mesh, axes, w.shape)))
 
     def local_attention(self, q, k, v, positions, segment_ids):
         """One device's work: its [b, s/context, heads/tensor, d] chunk of q, k, v."""

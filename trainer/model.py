@@ -25,6 +25,11 @@ class Attend(Protocol):
                  segment_ids: jax.Array) -> jax.Array: ...
 
 
+# (parameter, its logical axes) -> the parameter as a layer uses it, whole but for tensor
+# parallelism (the strategy's sharding constraint).
+GatherWeight = Callable[[jax.Array, tuple[str, ...]], jax.Array]
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
            fan_in: int) -> nnx.Param:
     init = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
@@ -106,14 +111,18 @@ class MLP(nnx.Module):
         self.up = _param(rngs, (e, f), ("embed", "mlp"), e)
         self.down = _param(rngs, (f, e), ("mlp", "embed"), f)
 
-    def __call__(self, x, chunks: TokenChunks | None = None):
+    def __call__(self, x, chunks: TokenChunks | None = None,
+                 gather_weight: GatherWeight = lambda w, axes: w):
         """SwiGLU over [b, s, e]; with `chunks`, one chunk of tokens at a time."""
         if chunks is None:
             return swiglu(x, self.gate[...], self.up[...], self.down[...])
-        # The float32 master weights go into the chunk loop, so their gradients add up
-        # over the chunks in float32 rather than in the compute dtype.
-        return chunks.map(lambda chunk: swiglu(chunk, self.gate[...], self.up[...],
-                                               self.down[...]), x)
+        # The weights are gathered whole before the chunk loop (inside it XLA would gather
+        # them, and reduce their gradients, once per chunk) and stay float32 there, so their
+        # gradients add up over the chunks in float32 rather than in the compute dtype.
+        gate = gather_weight(self.gate[...], ("embed", "mlp"))
+        up = gather_weight(self.up[...], ("embed", "mlp"))
+        down = gather_weight(self.down[...], ("mlp", "embed"))
+        return chunks.map(lambda chunk: swiglu(chunk, gate, up, down), x)
 
 
 def swiglu(x, gate, up, down):
@@ -131,10 +140,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, segment_ids, rotary, attend: Attend,
-                 mlp_chunks: TokenChunks | None = None):
+                 mlp_chunks: TokenChunks | None = None,
+                 gather_weight: GatherWeight = lambda w, axes: w):
         x = checkpoint_name(x, "decoder_layer_input")
         x = x + self.attention(self.attention_norm(x), positions, segment_ids, rotary, attend)
-        return x + self.mlp(self.mlp_norm(x), mlp_chunks)
+        return x + self.mlp(self.mlp_norm(x), mlp_chunks, gather_weight)
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -168,13 +178,14 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, positions, segment_ids, *, attend: Attend,
                  remat_policy: Callable | None = None,
                  split_tokens: Callable[[jax.Array], jax.Array] = lambda x: x,
-                 mlp_chunks: TokenChunks | None = None) -> jax.Array:
+                 mlp_chunks: TokenChunks | None = None,
+                 gather_weight: GatherWeight = lambda w, axes: w) -> jax.Array:
         """Final (normalized) hidden states [b, s, d_model] in the compute dtype.
 
         `split_tokens` pins a [b, s, ...] activation to the devices holding its tokens (the
         strategy's sharding constraint); without it XLA may, e.g., build the rotary tables
         for the whole sequence on every device. `mlp_chunks` runs each MLP one chunk of
-        tokens at a time (remat.mlp_chunk_tokens)."""
+        tokens at a time (remat.mlp_chunk_tokens), with its weights from `gather_weight`."""
         dtype = jnp.dtype(self.cfg.dtype)
         x = split_tokens(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype))
         rotary = tuple(map(split_tokens, rotary_tables(positions,
@@ -183,7 +194,8 @@ class Transformer(nnx.Module):
 
         def one_layer(x, layer_state):
             layer = nnx.merge(graphdef, layer_state)
-            return split_tokens(layer(x, positions, segment_ids, rotary, attend, mlp_chunks)), None
+            return split_tokens(layer(x, positions, segment_ids, rotary, attend, mlp_chunks,
+                                      gather_weight)), None
 
         if remat_policy is not None:
             one_layer = jax.checkpoint(one_layer, policy=remat_policy, prevent_cse=False)

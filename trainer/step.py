@@ -104,7 +104,8 @@ def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
                                 strategy.context)
         hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
                        attend=strategy.attend, split_tokens=strategy.split_tokens,
-                       remat_policy=policy, mlp_chunks=mlp_chunks)
+                       remat_policy=policy, mlp_chunks=mlp_chunks,
+                       gather_weight=strategy.gather_weight)
         return next_token_loss(hidden, model.output_weights(), batch["targets"],
                                batch["loss_mask"], recipe.train.z_loss, recipe.loss,
                                sequence_shards=strategy.context)

@@ -1,0 +1,134 @@
+"""Attention kernels side by side: forward+backward time and TFLOP/s where they run, and
+compiled memory per chip for a TPU from XLA's compiler (libtpu ahead-of-time).
+
+    python benchmarks/attention.py                      # time on this machine's backend
+    python benchmarks/attention.py --memory v5p:2x2x1   # + per-chip memory, compiled
+
+Timing: causal attention of one sequence of --time-seq-lens tokens with Llama 3.1 8B's
+heads (32 query / 8 KV of 128, bf16), `jax.value_and_grad` of the output's sum, median of
+--repeats runs after a warm-up. TFLOP/s counts the causal half of the score matrix:
+forward 2 matmuls = 4 s^2/2 h d flops, backward 2.5x the forward. On a CPU only `xla`
+runs at a useful speed (the Pallas kernel runs in interpret mode there: pass --impls
+pallas to see it, at small lengths).
+
+Memory: the same forward+backward compiled for ONE chip of the topology at --memory-seq-
+lens tokens (32K, 128K, 512K: what one chip holds under context parallelism), peak HBM
+and temporaries as memory_analysis() reports them. Needs the tpu extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from lctrain import kernels
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def attention_loss(impl: str, platform: str | None, block: int):
+    """(q, k, v, positions) -> sum of causal attention's output, for value_and_grad."""
+
+    def loss(q, k, v, positions):
+        segments = jnp.ones_like(positions)
+        out = kernels.attention(q, k, v, q_positions=positions, kv_positions=positions,
+                                q_segment_ids=segments, kv_segment_ids=segments, causal=True,
+                                impl=impl, block_q=block, block_kv=block, platform=platform)
+        return jnp.sum(out.astype(jnp.float32))
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def shapes(seq_len: int, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+    return (jax.ShapeDtypeStruct((1, seq_len, HEADS, HEAD_DIM), dtype),
+            jax.ShapeDtypeStruct((1, seq_len, KV_HEADS, HEAD_DIM), dtype),
+            jax.ShapeDtypeStruct((1, seq_len, KV_HEADS, HEAD_DIM), dtype),
+            jax.ShapeDtypeStruct((1, seq_len), jnp.int32))
+
+
+def causal_flops(seq_len: int) -> float:
+    forward = 4 * (seq_len * seq_len / 2) * HEADS * HEAD_DIM
+    return 3.5 * forward
+
+
+def time_impl(impl: str, seq_len: int, block: int, repeats: int, dtype) -> float:
+    """Median seconds of one forward+backward on the default backend."""
+    rng = np.random.default_rng(0)
+    q, k, v, positions = (jnp.asarray(rng.standard_normal(s.shape), s.dtype)
+                          if s.dtype != jnp.int32 else jnp.arange(seq_len)[None]
+                          for s in shapes(seq_len, dtype))
+    step = jax.jit(attention_loss(impl, None, block))
+    jax.block_until_ready(step(q, k, v, positions))
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(q, k, v, positions))
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def compiled_memory(impl: str, seq_len: int, block: int, device, dtype) -> tuple[int, int]:
+    """(peak HBM bytes, temporaries) of forward+backward compiled for one TPU chip."""
+    from lctrain.parallel.aot import compiled_stats
+
+    mesh = Mesh(np.array([device]), ("chip",))
+    args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
+            for s in shapes(seq_len, dtype)]
+    # Inside a shard_map, as the strategies call it: Mosaic reads the chip from its mesh.
+    on_chip = jax.shard_map(attention_loss(impl, "tpu", block), mesh=mesh,
+                            in_specs=P(), out_specs=P(), check_vma=False)
+    compiled = jax.jit(on_chip).lower(*args).compile()
+    stats = compiled_stats(compiled)
+    return stats.hbm_bytes, stats.temp_bytes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impls", nargs="+", default=None, choices=kernels.IMPLS,
+                        help="default: xla on CPU, every kernel elsewhere")
+    parser.add_argument("--time-seq-lens", type=int, nargs="*", default=[2048, 4096, 8192])
+    parser.add_argument("--memory", metavar="TOPOLOGY", default=None,
+                        help="also compile for one chip of this TPU topology, e.g. v5p:2x2x1")
+    parser.add_argument("--memory-seq-lens", type=int, nargs="+",
+                        default=[32768, 131072, 524288])
+    parser.add_argument("--block", type=int, default=512, help="block_q = block_kv")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    dtype = jnp.bfloat16
+    backend = jax.default_backend()
+    impls = args.impls or (["xla"] if backend == "cpu" else list(kernels.IMPLS))
+
+    print(f"causal attention, 1 x seq x {HEADS} heads ({KV_HEADS} KV) x {HEAD_DIM}, bf16, "
+          f"blocks {args.block}; forward+backward")
+    if args.time_seq_lens:
+        print(f"\ntime on {backend} ({jax.devices()[0].device_kind})")
+        print(f"{'impl':<8}{'seq_len':>9}{'ms':>12}{'TFLOP/s':>10}")
+        for impl in impls:
+            for seq_len in args.time_seq_lens:
+                seconds = time_impl(impl, seq_len, args.block, args.repeats, dtype)
+                print(f"{kernels.resolve_impl(impl):<8}{seq_len:>9}{seconds * 1e3:>12.1f}"
+                      f"{causal_flops(seq_len) / seconds / 1e12:>10.3f}", flush=True)
+    if args.memory:
+        from lctrain.parallel.aot import topology_devices
+
+        device = topology_devices(args.memory)[0]
+        print(f"\ncompiled for one chip of {args.memory} ({device.device_kind}), GiB")
+        print(f"{'impl':<8}{'seq_len':>9}{'peak HBM':>10}{'temp':>10}{'compile s':>11}")
+        for impl in args.impls or kernels.IMPLS:
+            for seq_len in args.memory_seq_lens:
+                start = time.perf_counter()
+                hbm, temp = compiled_memory(impl, seq_len, args.block, device, dtype)
+                print(f"{impl:<8}{seq_len:>9}{hbm / 2**30:>10.2f}{temp / 2**30:>10.2f}"
+                      f"{time.perf_counter() - start:>11.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
