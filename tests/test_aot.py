@@ -200,14 +200,14 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="TPU AOT compiles need libtpu (the tpu extra)")
 
 
-def compiled(strategy: str, seq_len: int = S) -> aot.CompiledStats:
-    return _compiled(strategy, seq_len)     # one cache key per case, however it is called
+def compiled(strategy: str, seq_len: int = S, extra: tuple[str, ...] = ()) -> aot.CompiledStats:
+    return _compiled(strategy, seq_len, extra)  # one cache key per case, however it is called
 
 
 @functools.cache
-def _compiled(strategy: str, seq_len: int) -> aot.CompiledStats:
+def _compiled(strategy: str, seq_len: int, extra: tuple[str, ...]) -> aot.CompiledStats:
     overrides = [*MODEL_SETS, f"parallel.strategy={strategy}", f"mesh.context={C}",
-                 "mesh.data=1", f"data.seq_len={seq_len}", "data.batch_size=1"]
+                 "mesh.data=1", f"data.seq_len={seq_len}", "data.batch_size=1", *extra]
     if strategy == "usp":
         overrides.append("parallel.ulysses=2")
     recipe = load_recipe(None, overrides)
@@ -339,6 +339,21 @@ def test_all_gather_memory_grows_linearly_with_the_sequence():
     XLA hoisted every block's mask pred[s/c/bq, s/bkv, b, hkv, g, bq, bkv] out of the layer
     loop; kernels/xla.py now ties each mask to its block's keys.)"""
     assert compiled("all_gather", 2 * S).temp_bytes < 2.2 * compiled("all_gather", S).temp_bytes
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_chunked_mlp_gathers_its_weights_once_per_layer():
+    """remat.mlp_chunk_tokens = S/4: four chunks per MLP. Its weights are gathered before
+    the chunk loop, so the step all-gathers what the unchunked one does (inside the loop
+    XLA gathered them, and all-reduced their gradient, once per chunk); only the MLP
+    gradient's all-reduce grows, from bf16 to f32."""
+    plain = compiled("ring")
+    chunked = compiled("ring", extra=(f"remat.mlp_chunk_tokens={S // 4}",))
+    assert chunked.collective_bytes["all-gather"] == plain.collective_bytes["all-gather"]
+    mlp_elements = LAYERS * 3 * MODEL.d_model * MODEL.d_ff
+    grown = chunked.collective_bytes["all-reduce"] - plain.collective_bytes["all-reduce"]
+    assert grown == pytest.approx(mlp_elements * (4 - BF16) * 2 * (C - 1) / C, rel=0.01)
 
 
 PALLAS_KERNELS = ("lctrain_flash_forward", "lctrain_flash_dq", "lctrain_flash_dkv")
