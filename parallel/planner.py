@@ -20,11 +20,10 @@ Communication, bytes one device RECEIVES per step (the convention of parallel/ao
                    them); the norm scales in f32 (2 + 4 gathers per layer).
   gradients        XLA all-reduces each layer's full gradient in the compute dtype over G
                    and keeps its shard (it does not emit a reduce-scatter): 2(G-1)/G x.
-  loss head        with the loss chunked (trainer/loss.py) the output weights are
-                   gathered in each chunk's forward and again in its recomputation, and
-                   their gradient is all-reduced once per chunk (f32; the compute dtype
-                   for a head past HEAD_GRADIENT_F32_LIMIT): n_chunks x the head, which
-                   at long context outweighs the strategy's own traffic.
+  loss head        the output weights are gathered once (chunked: before the chunk
+                   loop) or twice (unchunked: forward, backward), and their gradient is
+                   all-reduced once (chunked: in the compute dtype; unchunked: f32 but
+                   for a head past HEAD_GRADIENT_F32_LIMIT).
   embedding        token ids all-gathered over Z (the looked-up rows are pinned to their
                    tokens' devices, so no reshuffle follows); backward: the f32 rows
                    sent to the width shards, or the f32 table all-reduced, the smaller.
@@ -568,12 +567,19 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
                                + 6 * L * dm.e * F32 * zf)
     detail["gradients"] = ("all-reduce", L * (layer_gathered * p + mlp_gathered * (F32 - p)) * gf
                            + L * len(norms) * dm.e * F32 * gf)
-    detail["loss_head_weights"] = ("all-gather", 2 * n_chunks * head_full * p * zf)
-    # The output weights' gradient is all-reduced per chunk in f32; for a head whose f32
-    # gradient passes HEAD_GRADIENT_F32_LIMIT XLA all-reduces the compute-dtype gradient
-    # instead (observed: f32 for 1024 x 32768, bf16 for Llama 3.1 8B's 4096 x 128256).
-    head_grad_bytes = F32 if head_full * F32 <= HEAD_GRADIENT_F32_LIMIT else p
-    detail["loss_head_gradient"] = ("all-reduce", (n_chunks * head_full * head_grad_bytes
+    if n_chunks > 1:
+        # trainer/loss.py gathers the output weights once before its chunk loop; their
+        # gradient leaves the loop whole, in the compute dtype, and is all-reduced once.
+        detail["loss_head_weights"] = ("all-gather", head_full * p * zf)
+        head_grad_bytes = p
+    else:
+        # Unchunked, the head is gathered for the forward and again for the backward; XLA
+        # all-reduces its gradient in f32, or for a head whose f32 gradient passes
+        # HEAD_GRADIENT_F32_LIMIT in the compute dtype (observed: f32 for 1024 x 32768,
+        # bf16 for Llama 3.1 8B's 4096 x 128256).
+        detail["loss_head_weights"] = ("all-gather", 2 * head_full * p * zf)
+        head_grad_bytes = F32 if head_full * F32 <= HEAD_GRADIENT_F32_LIMIT else p
+    detail["loss_head_gradient"] = ("all-reduce", (head_full * head_grad_bytes
                                                    + dm.e * F32) * gf)
     # The embedding's backward: XLA either sends the f32 cotangent of the looked-up rows
     # back to the width shards (all-to-all) or all-reduces the full f32 table gradient;

@@ -95,6 +95,26 @@ def test_sharded_chunked_equals_unchunked(axis_sizes, seq, chunk_tokens):
     assert result[1][0].sharding.is_equivalent_to(tokens, hidden.ndim)
 
 
+def test_bfloat16_weight_gradient_sums_chunks_in_float32():
+    """bf16 inputs, 128 chunks: the output weights' gradient is as close to the f32 result
+    as the unchunked one's (measured 0.0021 vs 0.0019 of the largest entry). Summed over
+    the chunks in bf16, as differentiating the chunk scan did, it was 0.017."""
+    hidden, weights, targets, loss_mask = make_inputs(2, 4096, 64, 256)
+    hidden, weights = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(weights, jnp.bfloat16)
+
+    def weights_grad(config, dtype):
+        grads = loss_and_grads(config, hidden.astype(dtype), weights.astype(dtype), targets,
+                               loss_mask, 0.0)[1]
+        return np.asarray(grads[1], np.float32)
+
+    exact = weights_grad(UNCHUNKED, jnp.float32)
+
+    def error(config):
+        return np.max(np.abs(weights_grad(config, jnp.bfloat16) - exact)) / np.max(np.abs(exact))
+
+    assert error(LossConfig(chunk_tokens=64)) < 1.5 * error(UNCHUNKED)
+
+
 def test_chunk_tokens_resolution():
     assert resolve_chunk_tokens(None, 128 * 1024) == DEFAULT_CHUNK_TOKENS
     assert resolve_chunk_tokens(None, 256) == 256         # short sequences: one chunk

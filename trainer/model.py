@@ -17,17 +17,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lctrain.recipes.schema import ModelConfig
-from lctrain.trainer.token_chunks import TokenChunks
+from lctrain.trainer.token_chunks import GatherWeight, TokenChunks
 
 
 class Attend(Protocol):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array) -> jax.Array: ...
-
-
-# (parameter, its logical axes) -> the parameter as a layer uses it, whole but for tensor
-# parallelism (the strategy's sharding constraint).
-GatherWeight = Callable[[jax.Array, tuple[str, ...]], jax.Array]
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],

@@ -14,6 +14,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+# (parameter, its logical axes) -> the parameter whole but for tensor parallelism (the
+# strategy's sharding constraint): what a chunk loop's body computes with, gathered once
+# before the loop.
+GatherWeight = Callable[[jax.Array, tuple[str, ...]], jax.Array]
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenChunks:
