@@ -20,10 +20,12 @@ Communication, bytes one device RECEIVES per step (the convention of parallel/ao
                    them); the norm scales in f32 (2 + 4 gathers per layer).
   gradients        XLA all-reduces each layer's full gradient in the compute dtype over G
                    and keeps its shard (it does not emit a reduce-scatter): 2(G-1)/G x.
-  loss head        the output weights are gathered once (chunked: before the chunk
-                   loop) or twice (unchunked: forward, backward), and their gradient is
-                   all-reduced once (chunked: in the compute dtype; unchunked: f32 but
-                   for a head past HEAD_GRADIENT_F32_LIMIT).
+  loss head        with the loss chunked (trainer/loss.py) the output weights are
+                   gathered in each chunk's forward and again in its recomputation, and
+                   their gradient is all-reduced once per chunk in the compute dtype
+                   (unchunked: once, f32 but for a head past HEAD_GRADIENT_F32_LIMIT):
+                   n_chunks x the head, which at long context outweighs the strategy's
+                   own traffic.
   embedding        token ids all-gathered over Z (the looked-up rows are pinned to their
                    tokens' devices, so no reshuffle follows); backward: the f32 rows
                    sent to the width shards, or the f32 table all-reduced, the smaller.
@@ -72,12 +74,12 @@ assignment is larger than the live peak. CALIBRATION holds how many copies of ea
 count, fitted on programs compiled for v5p:2x2x1 (mesh.context 4, one sequence): a
 2-layer width-512 and a 4-layer width-1024 / vocab-32K model x all_gather, ulysses, ring
 x remat full, minimal x 8K, 32K tokens with attention.impl=xla (24), plus usp and the
-pallas kernel on four of them. On those 28 programs the estimate is within 13.6% of
-XLA's per-chip HBM (rms 6.3%) and within 3% of its collective bytes (what is left: with
+pallas kernel on four of them. On those 28 programs the estimate is within 13.4% of
+XLA's per-chip HBM (rms 5.5%) and within 3.5% of its collective bytes (what is left: with
 ulysses and full remat XLA gathers wq, wk, wv once more; dK/dV lowered half as
 reduce-scatter, half as all-reduce). Not fitted on, llama3.1-8b on the same 4 chips
 (128K-512K tokens, ring and all_gather, with and without offload or loss chunking) lands
-0.8-14.5% under XLA. Treat memory figures as +-15% near those shapes and as a guide
+0.1-14.4% under XLA. Treat memory figures as +-15% near those shapes and as a guide
 beyond them; the traffic figures are formulas of the code, checked exactly.
 """
 
@@ -132,7 +134,7 @@ CALIBRATION = {
     "layer_backward": 1.0,
     # [b, s_l, d_model] compute-dtype tensors alive in one layer's backward (inputs,
     # residuals, norms, projections and their gradients).
-    "layer_width_tensors": 6.0,
+    "layer_width_tensors": 7.0,
     # Saved named tensors (minimal, custom) per copy the policy implies: XLA keeps the
     # scan's stacked residuals and a relayout of some of them.
     "saved_copies": 1.5,
@@ -143,7 +145,7 @@ CALIBRATION = {
     # f32 gradient buffers in the layers' backward.
     "gradient_copies": 1.0,
     # Copies of the gathered output weights (compute dtype) in the loss backward.
-    "head_weight_copies": 1.5,
+    "head_weight_copies": 1.0,
     # One chunk's f32 logits: the logits and their softmax / gradient.
     "logits_copies": 1.4,
 }
@@ -567,19 +569,14 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
                                + 6 * L * dm.e * F32 * zf)
     detail["gradients"] = ("all-reduce", L * (layer_gathered * p + mlp_gathered * (F32 - p)) * gf
                            + L * len(norms) * dm.e * F32 * gf)
-    if n_chunks > 1:
-        # trainer/loss.py gathers the output weights once before its chunk loop; their
-        # gradient leaves the loop whole, in the compute dtype, and is all-reduced once.
-        detail["loss_head_weights"] = ("all-gather", head_full * p * zf)
-        head_grad_bytes = p
-    else:
-        # Unchunked, the head is gathered for the forward and again for the backward; XLA
-        # all-reduces its gradient in f32, or for a head whose f32 gradient passes
-        # HEAD_GRADIENT_F32_LIMIT in the compute dtype (observed: f32 for 1024 x 32768,
-        # bf16 for Llama 3.1 8B's 4096 x 128256).
-        detail["loss_head_weights"] = ("all-gather", 2 * head_full * p * zf)
-        head_grad_bytes = F32 if head_full * F32 <= HEAD_GRADIENT_F32_LIMIT else p
-    detail["loss_head_gradient"] = ("all-reduce", (head_full * head_grad_bytes
+    # The output weights are gathered for each chunk's forward and again for its
+    # recomputation in backward. trainer/loss.py all-reduces each chunk's gradient in the
+    # compute dtype; unchunked, XLA all-reduces it in f32, or for a head whose f32
+    # gradient passes HEAD_GRADIENT_F32_LIMIT in the compute dtype (observed: f32 for
+    # 1024 x 32768, bf16 for Llama 3.1 8B's 4096 x 128256).
+    detail["loss_head_weights"] = ("all-gather", 2 * n_chunks * head_full * p * zf)
+    head_grad_bytes = p if n_chunks > 1 or head_full * F32 > HEAD_GRADIENT_F32_LIMIT else F32
+    detail["loss_head_gradient"] = ("all-reduce", (n_chunks * head_full * head_grad_bytes
                                                    + dm.e * F32) * gf)
     # The embedding's backward: XLA either sends the f32 cotangent of the looked-up rows
     # back to the width shards (all-to-all) or all-reduces the full f32 table gradient;

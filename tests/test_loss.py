@@ -97,7 +97,7 @@ def test_sharded_chunked_equals_unchunked(axis_sizes, seq, chunk_tokens):
 
 def test_bfloat16_weight_gradient_sums_chunks_in_float32():
     """bf16 inputs, 128 chunks: the output weights' gradient is as close to the f32 result
-    as the unchunked one's (measured 0.0021 vs 0.0019 of the largest entry). Summed over
+    as the unchunked one's (measured 0.0024 vs 0.0019 of the largest entry). Summed over
     the chunks in bf16, as differentiating the chunk scan did, it was 0.017."""
     hidden, weights, targets, loss_mask = make_inputs(2, 4096, 64, 256)
     hidden, weights = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(weights, jnp.bfloat16)

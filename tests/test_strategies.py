@@ -137,7 +137,8 @@ def test_auto_strategy_choice(overrides, context, expected):
     assert "GiB" in reason
 
 
-# remat.mlp_chunk_tokens: the MLP one chunk of tokens at a time, on one device and under
+# remat.mlp_chunk_tokens and loss.chunk_tokens: the MLP and the loss one chunk of tokens
+# at a time, their weights gathered once before the chunk loops, on one device and under
 # strategies (chunks spread over the context shards; 24 tokens leave padding per shard).
 MLP_CHUNK_CASES = [("none", {"data": 1}, 24, "full"), ("ring", MESHES["context8"], 16, "full"),
                    ("ulysses", MESHES["data2_context4"], 24, "minimal"),
@@ -145,8 +146,10 @@ MLP_CHUNK_CASES = [("none", {"data": 1}, 24, "full"), ("ring", MESHES["context8"
 
 
 @pytest.mark.parametrize("strategy, mesh, chunk_tokens, policy", MLP_CHUNK_CASES)
-def test_chunked_mlp_matches_single_device(reference, strategy, mesh, chunk_tokens, policy):
+def test_chunked_mlp_and_loss_match_single_device(reference, strategy, mesh, chunk_tokens,
+                                                  policy):
     recipe = recipe_for(strategy, mesh, 2, extra=[f"remat.mlp_chunk_tokens={chunk_tokens}",
+                                                 f"loss.chunk_tokens={chunk_tokens}",
                                                  f"remat.policy={policy}"])
     devices = jax.devices()[:1] if strategy == "none" else jax.devices()
     assert_matches(reference[2], *loss_and_grads(recipe, devices))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from lctrain.recipes.schema import LossConfig
-from lctrain.trainer.token_chunks import GatherWeight, TokenChunks
+from lctrain.trainer.token_chunks import TokenChunks
 
 # loss.chunk_tokens = null: chunks of up to this many tokens per sequence. One chunk's f32
 # logits then take batch x 4096 x vocab x 4 bytes before sharding (2 GB for one Llama 3
@@ -25,8 +25,7 @@ DEFAULT_CHUNK_TOKENS = 4096
 
 def next_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
                     loss_mask: jax.Array, z_loss: float = 0.0,
-                    config: LossConfig | None = None, sequence_shards: int = 1,
-                    gather_weight: GatherWeight = lambda w, axes: w
+                    config: LossConfig | None = None, sequence_shards: int = 1
                     ) -> tuple[jax.Array, jax.Array]:
     """Returns (sum of per-token losses, number of counted tokens).
 
@@ -35,8 +34,7 @@ def next_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.A
     Sums rather than a mean, so micro-batches and shards add up exactly to the full batch.
     `config` (the recipe's `loss` section; default: LossConfig()) picks the chunk size;
     `sequence_shards` is how many devices the sequence is split over (mesh.context), so
-    every chunk takes its tokens evenly from all of them; `gather_weight` (the strategy's)
-    gathers the output weights once before the chunk loop.
+    every chunk takes its tokens evenly from all of them.
     """
     config = config or LossConfig()
     chunk_tokens = resolve_chunk_tokens(config.chunk_tokens, hidden.shape[1])
@@ -44,10 +42,6 @@ def next_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.A
         per_token = _per_token_loss(hidden, output_weights.astype(hidden.dtype), targets,
                                     z_loss)
     else:
-        # Gathered whole before the loop (inside it XLA would gather them, and reduce their
-        # gradient, once per chunk) and kept float32 there, so their gradient adds up over
-        # the chunks in float32.
-        output_weights = gather_weight(output_weights, ("embed", "vocab"))
         per_token, loss_mask = _chunked_per_token_loss(
             hidden, output_weights, targets, loss_mask, z_loss, chunk_tokens, sequence_shards)
     mask = loss_mask.astype(jnp.float32)
@@ -81,54 +75,55 @@ def _chunked_per_token_loss(hidden, output_weights, targets, loss_mask, z_loss,
     """Per-token losses and the mask, both [n_chunks, b, chunk_len], one chunk at a time
     (chunks as trainer/token_chunks.py cuts them: each spread over all `shards`)."""
     chunks = TokenChunks(targets.shape[1], chunk_tokens, shards)
-    per_token = _chunk_losses(chunks.split(hidden), output_weights.astype(hidden.dtype),
-                              chunks.split(targets), z_loss)
+    per_token = _chunk_losses(hidden, output_weights.astype(hidden.dtype), targets, z_loss,
+                              chunks)
     # Padding gets mask 0 (and target 0, a valid index), so it adds nothing to loss or grads.
     return per_token, chunks.split(loss_mask)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunk_losses(hidden_chunks, output_weights, target_chunks, z_loss):
-    """[n, b, t] per-token losses of [n, b, t, e] hidden chunks, one chunk's logits at a
-    time. The backward recomputes each chunk's logits (nothing but the inputs is kept) and
-    sums the output weights' gradient over the chunks in float32: differentiating the scan
-    instead would add it up in the weights' (compute) dtype."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunk_losses(hidden, output_weights, targets, z_loss, chunks: TokenChunks):
+    """[n, b, t] per-token losses, `chunks` of [b, s, e] hidden one chunk's logits at a
+    time. The backward recomputes each chunk's logits (it keeps only the inputs, unsplit)
+    and sums the output weights' gradient over the chunks in float32, rounding the total
+    once to the compute dtype: differentiating the scan would round at every chunk."""
     def chunk_loss(carry, chunk):
         chunk_hidden, chunk_targets = chunk
         return carry, _per_token_loss(chunk_hidden, output_weights, chunk_targets, z_loss)
 
-    return jax.lax.scan(chunk_loss, None, (hidden_chunks, target_chunks))[1]
+    return jax.lax.scan(chunk_loss, None, (chunks.split(hidden), chunks.split(targets)))[1]
 
 
-def _chunk_losses_forward(hidden_chunks, output_weights, target_chunks, z_loss):
-    per_token = _chunk_losses(hidden_chunks, output_weights, target_chunks, z_loss)
-    return per_token, (hidden_chunks, output_weights, target_chunks)
+def _chunk_losses_forward(hidden, output_weights, targets, z_loss, chunks):
+    per_token = _chunk_losses(hidden, output_weights, targets, z_loss, chunks)
+    return per_token, (hidden, output_weights, targets)
 
 
-def _chunk_losses_backward(z_loss, residuals, per_token_grads):
-    hidden_chunks, output_weights, target_chunks = residuals
-    dtype = hidden_chunks.dtype
+def _chunk_losses_backward(z_loss, chunks, residuals, per_token_grads):
+    hidden, output_weights, targets = residuals
+    dtype = hidden.dtype
 
     def chunk_grads(weights_grad, chunk):
-        hidden, targets, grads = chunk
-        logits = jnp.einsum("bte,ev->btv", hidden, output_weights,
+        chunk_hidden, chunk_targets, grads = chunk
+        logits = jnp.einsum("bte,ev->btv", chunk_hidden, output_weights,
                             preferred_element_type=jnp.float32)
         log_partition = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         # d(lse - target logit + z lse^2) / d logits = softmax (1 + 2 z lse) - one_hot
         scale = grads[..., None] * (1 + 2 * z_loss * log_partition)
         logits_grad = (jnp.exp(logits - log_partition) * scale
-                       - grads[..., None] * jax.nn.one_hot(targets, logits.shape[-1]))
+                       - grads[..., None] * jax.nn.one_hot(chunk_targets, logits.shape[-1]))
         logits_grad = logits_grad.astype(dtype)
         hidden_grad = jnp.einsum("btv,ev->bte", logits_grad, output_weights,
                                  preferred_element_type=jnp.float32).astype(dtype)
-        weights_grad += jnp.einsum("bte,btv->ev", hidden, logits_grad,
-                                   preferred_element_type=jnp.float32)
-        return weights_grad, hidden_grad
+        # One chunk's gradient leaves the matmul in the compute dtype (a sharded sequence
+        # reduces it over the devices per chunk at that size) and is summed in float32.
+        chunk_weights_grad = jnp.einsum("bte,btv->ev", chunk_hidden, logits_grad)
+        return weights_grad + chunk_weights_grad.astype(jnp.float32), hidden_grad
 
     zeros = jnp.zeros(output_weights.shape, jnp.float32)
     weights_grad, hidden_grads = jax.lax.scan(
-        chunk_grads, zeros, (hidden_chunks, target_chunks, per_token_grads))
-    return hidden_grads, weights_grad.astype(output_weights.dtype), None
+        chunk_grads, zeros, (chunks.split(hidden), chunks.split(targets), per_token_grads))
+    return chunks.merge(hidden_grads), weights_grad.astype(output_weights.dtype), None
 
 
 _chunk_losses.defvjp(_chunk_losses_forward, _chunk_losses_backward)

@@ -108,8 +108,7 @@ def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
                        gather_weight=strategy.gather_weight)
         return next_token_loss(hidden, model.output_weights(), batch["targets"],
                                batch["loss_mask"], recipe.train.z_loss, recipe.loss,
-                               sequence_shards=strategy.context,
-                               gather_weight=strategy.gather_weight)
+                               sequence_shards=strategy.context)
 
     return loss_sums
 
