@@ -267,6 +267,21 @@ class StrategyPlan:
         return (self.hbm_bytes <= HBM_HEADROOM * self.hbm_capacity
                 and self.host_bytes <= self.host_capacity)
 
+    @property
+    def deciding_hbm_bytes(self) -> float:
+        """The peak the recommendation goes by: XLA's when compiled (--compile), else (or
+        where XLA refused the program) the estimate."""
+        compiled = (self.compiled or {}).get("hbm_bytes")
+        return self.hbm_bytes if compiled is None else compiled
+
+    @property
+    def deciding_fits(self) -> bool:
+        """Whether the recommendation counts this strategy as fitting: by XLA's figures in
+        the chip's whole HBM when compiled, else by the estimate within HBM_HEADROOM."""
+        if self.compiled is None:
+            return self.fits
+        return self.compiled_json()["compiled_fits"]
+
     def as_json(self) -> dict:
         out = {
             "strategy": self.strategy, "ulysses": self.ulysses,
@@ -789,24 +804,26 @@ def plan(recipe: Recipe, chip: Chip, axis_sizes: dict[str, int],
 
 
 def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
-    """Among the plans that fit (in HBM_HEADROOM of the chip's HBM), the fastest estimated
-    step (StrategyPlan.step_s); within TIE of it, the simplest. If none fits, the one that
-    needs the least HBM."""
+    """Among the plans that fit (StrategyPlan.deciding_fits: compiled figures where there
+    are any), the fastest estimated step (StrategyPlan.step_s); within TIE of it, the
+    simplest. If none fits, the one that needs the least HBM."""
     if not plans:
         return None, "no strategy applies"
     gib = 2**30
-    fitting = [p for p in plans if p.fits]
+    source = "compiled" if any(p.compiled for p in plans) else "estimated"
+    fitting = [p for p in plans if p.deciding_fits]
     if not fitting:
-        best = min(plans, key=lambda p: p.hbm_bytes)
+        best = min(plans, key=lambda p: p.deciding_hbm_bytes)
         return best, (f"none fits in {best.hbm_capacity / gib:.0f} GiB; {best.name} needs "
-                      f"the least ({best.hbm_bytes / gib:.2f} GiB per device)")
+                      f"the least ({best.deciding_hbm_bytes / gib:.2f} GiB per device, "
+                      f"{source})")
     fastest = min(p.step_s for p in fitting)
     near = [p for p in fitting if p.step_s <= TIE * fastest]
     best = min(near, key=lambda p: SIMPLICITY.index(p.strategy))
     bound = "communication" if best.comm_s > best.compute_s else "compute"
-    others = [p.name for p in plans if not p.fits]
-    reason = (f"fits ({best.hbm_bytes / gib:.2f} of {best.hbm_capacity / gib:.0f} GiB per "
-              f"device) with the {'fastest' if best.step_s == fastest else 'near-fastest'} "
+    others = [p.name for p in plans if not p.deciding_fits]
+    reason = (f"fits ({best.deciding_hbm_bytes / gib:.2f} of {best.hbm_capacity / gib:.0f} "
+              f"GiB per device, {source}) with the {'fastest' if best.step_s == fastest else 'near-fastest'} "
               f"estimated step ({bound}-bound, MFU <= {best.mfu_bound:.0%})")
     if len(near) > 1:
         reason += f"; simplest of {', '.join(p.name for p in near)} (within {TIE - 1:.1%})"
@@ -903,12 +920,13 @@ def compiled_fits(figures: dict, chip: Chip) -> bool:
 
 def attach_compiled(result: Plan, recipe: Recipe, devices,
                     progress: Callable[[str], None] = lambda _: None) -> None:
-    """Compiles every strategy of the plan for `devices` and records XLA's figures,
-    telling `progress` which one it starts (each can take minutes)."""
+    """Compiles every strategy of the plan for `devices`, records XLA's figures (telling
+    `progress` which one it starts: each can take minutes) and recommends again by them."""
     for strategy_plan in result.plans:
         progress(f"compiling {strategy_plan.name} for {len(devices)} devices ...")
         variant = recipe_for_strategy(recipe, strategy_plan.strategy, strategy_plan.ulysses)
         strategy_plan.compiled = compile_figures(variant, devices)
+    result.choice, result.reason = recommend(result.plans)
 
 
 # ------------------------------------------------------------- max seq ----

@@ -157,6 +157,26 @@ def test_recommendation_prefers_what_fits():
     assert result.choice.hbm_bytes == min(p.hbm_bytes for p in result.plans)
 
 
+def test_compiled_figures_decide_the_recommendation():
+    """With --compile XLA's peak, not the estimate, says what fits: the estimated choice
+    refused by the compiler (or over the chip's HBM) hands the recommendation on."""
+    result = planner.plan(tiny(), V5P, CONTEXT4)
+    estimated_choice = result.choice
+    for strategy_plan in result.plans:
+        strategy_plan.compiled = {"hbm_bytes": 2**30, "host_bytes": 0,
+                                  "collective_bytes": {}}
+    estimated_choice.compiled = {"hbm_bytes": None, "host_bytes": None,
+                                 "collective_bytes": None, "error": "RESOURCE_EXHAUSTED"}
+    choice, reason = planner.recommend(result.plans)
+    assert choice is not estimated_choice and choice.deciding_fits
+    assert f"{estimated_choice.name} would not fit" in reason and "1.00 of" in reason
+    assert "compiled" in reason
+    for strategy_plan in result.plans:
+        strategy_plan.compiled["hbm_bytes"] = V5P.hbm_bytes + 1
+    choice, reason = planner.recommend(result.plans)
+    assert "none fits" in reason and not any(p.deciding_fits for p in result.plans)
+
+
 def test_auto_uses_the_planner():
     strategy, ulysses, reason = choose_strategy(tiny("parallel.strategy=auto"), CONTEXT4,
                                                 95 * 2**30, platform="tpu")
