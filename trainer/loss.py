@@ -2,9 +2,9 @@
 
 At long context the logits are the largest tensor of the whole step (128K tokens x 128,256
 vocabulary x 4 bytes = 67 GB per chip), so by default they never exist whole: the sequence
-is cut into chunks, a `lax.scan` computes one chunk's logits at a time, and the scan body
-is rematerialised (`jax.checkpoint`), so backward recomputes each chunk's logits instead
-of keeping them from forward. Forward and backward hold one chunk of logits at a time.
+is cut into chunks and a `lax.scan` computes one chunk's logits at a time; a custom VJP
+recomputes each chunk's logits in backward instead of keeping them from forward. Forward
+and backward hold one chunk of logits at a time.
 """
 
 from __future__ import annotations
