@@ -822,9 +822,10 @@ def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
     best = min(near, key=lambda p: SIMPLICITY.index(p.strategy))
     bound = "communication" if best.comm_s > best.compute_s else "compute"
     others = [p.name for p in plans if not p.deciding_fits]
+    speed = "fastest" if best.step_s == fastest else "near-fastest"
     reason = (f"fits ({best.deciding_hbm_bytes / gib:.2f} of {best.hbm_capacity / gib:.0f} "
-              f"GiB per device, {source}) with the {'fastest' if best.step_s == fastest else 'near-fastest'} "
-              f"estimated step ({bound}-bound, MFU <= {best.mfu_bound:.0%})")
+              f"GiB per device, {source}) with the {speed} estimated step ({bound}-bound, "
+              f"MFU <= {best.mfu_bound:.0%})")
     if len(near) > 1:
         reason += f"; simplest of {', '.join(p.name for p in near)} (within {TIE - 1:.1%})"
     if others:
