@@ -50,7 +50,8 @@ class MetricsWriter:
         self.console.print(
             f"step {step:>{len(str(total_steps))}}/{total_steps} | loss {record['loss']:.4f} | "
             f"grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
-            f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1e3:.1f} ms/step{mfu}", soft_wrap=True)
+            f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1e3:.1f} ms/step{mfu}",
+            soft_wrap=True)
 
     def close(self) -> None:
         if self.enabled:
