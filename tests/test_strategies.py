@@ -138,7 +138,7 @@ def test_auto_strategy_choice(overrides, context, expected):
 
 
 # remat.mlp_chunk_tokens and loss.chunk_tokens: the MLP and the loss one chunk of tokens
-# at a time, their weights gathered once before the chunk loops, on one device and under
+# at a time (the MLP's weights gathered once before its chunk loop), on one device and under
 # strategies (chunks spread over the context shards; 24 tokens leave padding per shard).
 MLP_CHUNK_CASES = [("none", {"data": 1}, 24, "full"), ("ring", MESHES["context8"], 16, "full"),
                    ("ulysses", MESHES["data2_context4"], 24, "minimal"),

@@ -60,14 +60,20 @@ def resolve_chunk_tokens(chunk_tokens: int | None, seq_len: int) -> int:
     return seq_len if chunk_tokens == 0 else min(chunk_tokens, seq_len)
 
 
-def _per_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
-                    z_loss: float) -> jax.Array:
-    """Unmasked loss of every token [..., s]; the logits [..., s, v] are f32."""
+def _logits_and_log_partition(hidden: jax.Array, output_weights: jax.Array
+                              ) -> tuple[jax.Array, jax.Array]:
+    """The f32 logits [..., s, v] and their logsumexp [..., s, 1]."""
     logits = jnp.einsum("...se,ev->...sv", hidden, output_weights,
                         preferred_element_type=jnp.float32)
-    log_partition = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return log_partition - target_logit + z_loss * jnp.square(log_partition)
+    return logits, jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _per_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
+                    z_loss: float) -> jax.Array:
+    """Unmasked loss of every token [..., s]."""
+    logits, log_partition = _logits_and_log_partition(hidden, output_weights)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)
+    return (log_partition - target_logit + z_loss * jnp.square(log_partition))[..., 0]
 
 
 def _chunked_per_token_loss(hidden, output_weights, targets, loss_mask, z_loss,
@@ -105,9 +111,7 @@ def _chunk_losses_backward(z_loss, chunks, residuals, per_token_grads):
 
     def chunk_grads(weights_grad, chunk):
         chunk_hidden, chunk_targets, grads = chunk
-        logits = jnp.einsum("bte,ev->btv", chunk_hidden, output_weights,
-                            preferred_element_type=jnp.float32)
-        log_partition = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        logits, log_partition = _logits_and_log_partition(chunk_hidden, output_weights)
         # d(lse - target logit + z lse^2) / d logits = softmax (1 + 2 z lse) - one_hot
         scale = grads[..., None] * (1 + 2 * z_loss * log_partition)
         logits_grad = (jnp.exp(logits - log_partition) * scale
