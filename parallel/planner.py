@@ -90,12 +90,17 @@ import functools
 import math
 from typing import Callable, Iterable
 
+from lctrain import kernels
+from lctrain.kernels import splash
+from lctrain.parallel import STRATEGIES
 from lctrain.parallel.chips import Chip
+from lctrain.parallel.strategy import stored_chunk_tokens
 from lctrain.recipes.schema import Recipe
 from lctrain.trainer.token_chunks import chunks_for
 
 BYTES = {"bfloat16": 2, "float32": 4}
 F32, INT32 = 4, 4
+SPLASH_LSE_LANES = 128
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # Strategies from simplest to most involved: a tie in estimated step time goes to the first.
 SIMPLICITY = ("none", "all_gather", "ulysses", "usp", "ring")
@@ -448,13 +453,17 @@ def mlp_chunk_len(recipe: Recipe, c: int) -> int:
     return chunks.piece_len if chunks else s // c
 
 
-def kernel_impl(recipe: Recipe, platform: str) -> str:
-    """The attention kernel the run uses on `platform` (kernels.resolve_impl's rule)."""
-    impl = recipe.attention.impl
-    if impl == "auto":
-        return "pallas" if platform == "tpu" else "xla"
-    if impl == "pallas" and platform == "gpu":
-        return "xla"
+def kernel_impl(recipe: Recipe, platform: str, axis_sizes: dict[str, int]) -> str:
+    """The attention kernel the run uses on `platform` (as kernels.attention resolves it
+    for the strategy's kernel calls)."""
+    if platform == "gpu":
+        return "xla"  # the TPU kernels fall back to xla.py's there
+    chunk = stored_chunk_tokens(recipe, axis_sizes["context"])
+    impl = kernels.resolve_impl(recipe.attention.impl, platform, chunk)
+    lengths = STRATEGIES[recipe.parallel.strategy].kernel_lengths(recipe, axis_sizes)
+    if impl == "splash" and not splash.supports(*lengths, recipe.attention.block_q,
+                                                recipe.attention.block_kv, chunk):
+        return "pallas"  # what auto falls back to (an explicit splash fails the recipe check)
     return impl
 
 
@@ -525,7 +534,7 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
     head_full = local_elements(head, axis_sizes, shard=("vocab",))
     embed_full = local_elements(by_name["embedding"], axis_sizes, shard=("vocab",))
     n_chunks, chunk_tokens = loss_chunks(recipe, dm.c)
-    impl = kernel_impl(recipe, platform)
+    impl = kernel_impl(recipe_for_strategy(recipe, strategy, ulysses), platform, axis_sizes)
     tokens = b * s_l                                  # per device per micro-batch
     mlp_tokens = b * mlp_chunk_len(recipe, dm.c)      # the MLP's [tokens, d_ff] at a time
     kv_heads_u = math.lcm(dm.kv, dm.u) if dm.u > 1 and dm.kv % dm.u else dm.kv
@@ -673,11 +682,15 @@ def _attention_memory(dm: _Dims, strategy: str, impl: str, recipe: Recipe,
         # accumulators and lse, q/out/dout in the compute dtype
         terms["attention"] = chunk * (2 * (2 * kv * d * p + ids) + 2 * 2 * kv * d * F32
                                       + heads * d * (2 * F32 + 3 * p) + heads * F32)
-    if impl == "pallas":
-        # The Pallas kernels work head-major: q, k, v, out, dout are transposed in XLA
-        # ([b, h, s, d]) as the kernel sees them.
+    if impl in ("pallas", "splash"):
+        # The Pallas kernels (ours and splash) work head-major: q, k, v, out, dout are
+        # transposed in XLA ([b, h, s, d]) as the kernel sees them.
         terms["kernel_scratch"] = CALIBRATION["pallas_layout_copies"] * b * d * p * (
             3 * sq * heads + 2 * skv * kv)
+    if impl == "splash":
+        # splash writes its logsumexp 128 lanes wide ([heads, sq, 128] f32) before keeping
+        # lane 0 (1M tokens on 4 v5p chips, ring: +4.2 GB over our kernel, compiled)
+        terms["kernel_scratch"] += b * heads * sq * SPLASH_LSE_LANES * F32
     if impl == "xla":
         block_q, block_kv = min(bq, sq), min(bkv, skv)
         terms["kernel_scratch"] = (CALIBRATION["kernel_block_scores"]

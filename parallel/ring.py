@@ -20,10 +20,16 @@ import jax.numpy as jnp
 
 from lctrain import kernels
 from lctrain.parallel.strategy import CONTEXT_AXIS, ContextStrategy
+from lctrain.recipes.schema import Recipe
 
 
 class Ring(ContextStrategy):
     name = "ring"
+
+    @classmethod
+    def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:
+        """A ring step: the device's chunk against another device's."""
+        return (recipe.data.seq_len // axis_sizes["context"],) * 2
 
     def local_attention(self, q, k, v, positions, segment_ids):
         return ring_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS,

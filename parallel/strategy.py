@@ -12,12 +12,14 @@ from __future__ import annotations
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lctrain import kernels
+from lctrain.kernels import splash
 from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_spec
-from lctrain.recipes.schema import Recipe
+from lctrain.recipes.schema import Recipe, RecipeError
 
 CONTEXT_AXIS = "context"
 HEADS_SPEC = P(LOGICAL_TO_MESH["batch"], LOGICAL_TO_MESH["sequence"], "tensor", None)
@@ -34,12 +36,19 @@ class ContextStrategy:
         # compile for a TPU topology even though the host is a CPU.
         self.kernel_options = dict(impl=recipe.attention.impl, block_q=recipe.attention.block_q,
                                    block_kv=recipe.attention.block_kv,
-                                   platform=mesh.devices.flat[0].platform)
+                                   platform=mesh.devices.flat[0].platform,
+                                   run_tokens=stored_chunk_tokens(recipe, self.context))
         self.load_balance = recipe.parallel.load_balance and self.context > 1
 
     @classmethod
     def check(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> None:
         """Raises RecipeError for combinations this strategy cannot run (before any compile)."""
+        check_kernel_layout(recipe, axis_sizes, cls.kernel_lengths(recipe, axis_sizes))
+
+    @classmethod
+    def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:
+        """(queries, keys) of one kernel call on a device: its chunk against the sequence."""
+        return recipe.data.seq_len // axis_sizes["context"], recipe.data.seq_len
 
     def sequence_order(self, seq_len: int) -> np.ndarray | None:
         """Token order the batch is stored in on device; None keeps the natural order.
@@ -55,11 +64,24 @@ class ContextStrategy:
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segment_ids: jax.Array) -> jax.Array:
+        """Causal attention of the stored batch; `positions` (RoPE's, restarting in every
+        document) only give the shape: the kernels mask by each token's index in the
+        sequence, which orders the tokens of a document alike (segment ids keep documents
+        apart) and runs contiguously through the chunks of the stored order, so kernels
+        can classify whole blocks (splash needs that)."""
         per_device = jax.shard_map(
             self.local_attention, mesh=self.mesh,
             in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, TOKENS_SPEC, TOKENS_SPEC),
             out_specs=HEADS_SPEC, check_vma=False)
-        return per_device(q, k, v, positions, segment_ids)
+        return per_device(q, k, v, self.sequence_indices(positions.shape), segment_ids)
+
+    def sequence_indices(self, shape: tuple[int, int]) -> jax.Array:
+        """int32 [b, s]: the index in the original sequence of every stored token, computed
+        from an iota (no s-sized constant in the program)."""
+        batch, seq_len = shape
+        index = (load_balanced_order(seq_len, self.context, xp=jnp) if self.load_balance
+                 else jnp.arange(seq_len, dtype=jnp.int32))
+        return jnp.broadcast_to(index.astype(jnp.int32), shape)
 
     def split_tokens(self, x: jax.Array) -> jax.Array:
         """Constrains a [batch, seq, ...] activation to rows over data x fsdp and tokens
@@ -84,7 +106,38 @@ class ContextStrategy:
                                  causal=True, return_lse=return_lse, **self.kernel_options)
 
 
-def load_balanced_order(seq_len: int, context: int) -> np.ndarray:
-    chunks = np.arange(seq_len).reshape(2 * context, seq_len // (2 * context))
-    pairs = [np.concatenate([chunks[i], chunks[2 * context - 1 - i]]) for i in range(context)]
-    return np.concatenate(pairs)
+def stored_chunk_tokens(recipe: Recipe, context: int) -> int:
+    """Length of the contiguous runs of the original sequence that the stored order is
+    made of: 2 * context chunks when load-balanced, context otherwise."""
+    balanced = recipe.parallel.load_balance and context > 1
+    return recipe.data.seq_len // (2 * context if balanced else context)
+
+
+def check_kernel_layout(recipe: Recipe, axis_sizes: dict[str, int],
+                        kernel_lengths: tuple[int, int]) -> None:
+    """RecipeError when attention.impl=splash cannot run on the stored layout, or its
+    block map for a kernel call of `kernel_lengths` (queries, keys) cannot fit."""
+    if recipe.attention.impl != "splash":
+        return
+    chunk = stored_chunk_tokens(recipe, axis_sizes["context"])
+    if not splash.fits_chunks(chunk):
+        raise RecipeError(
+            f"recipe key 'attention.impl' = 'splash': the stored sequence is made of chunks "
+            f"of {chunk} tokens (data.seq_len {recipe.data.seq_len} over mesh.context "
+            f"{axis_sizes['context']}, x2 with parallel.load_balance), and splash needs "
+            f"multiples of 128; change data.seq_len, or use attention.impl=pallas or auto")
+    try:
+        splash.block_sizes(*kernel_lengths, recipe.attention.block_q, recipe.attention.block_kv,
+                           chunk)
+    except ValueError as err:
+        raise RecipeError(f"recipe key 'attention.impl' = 'splash': {err}") from err
+
+
+def load_balanced_order(seq_len: int, context: int, xp=np):
+    """Original index of each stored token: rank i stores chunks i and 2*context-1-i of
+    2*context. `xp` is numpy (the data pipeline) or jax.numpy (inside a program)."""
+    chunk = seq_len // (2 * context)
+    stored = xp.arange(seq_len)
+    rank, offset = stored // (2 * chunk), stored % (2 * chunk)
+    chunk_index = xp.where(offset < chunk, rank, 2 * context - 1 - rank)
+    return chunk_index * chunk + offset % chunk

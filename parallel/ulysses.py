@@ -50,6 +50,11 @@ class Ulysses(ContextStrategy):
     @classmethod
     def check(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> None:
         check_ulysses_degree(recipe, axis_sizes, axis_sizes["context"], "mesh.context")
+        super().check(recipe, axis_sizes)
+
+    @classmethod
+    def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:
+        return recipe.data.seq_len, recipe.data.seq_len
 
     def local_attention(self, q, k, v, positions, segment_ids):
         def attend(q, k, v, positions, segment_ids):

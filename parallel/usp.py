@@ -27,6 +27,13 @@ class UnifiedSequenceParallel(ContextStrategy):
                 f"recipe key 'parallel.ulysses' = {ulysses}: must divide mesh.context "
                 f"({context}); the ring degree is mesh.context / parallel.ulysses")
         check_ulysses_degree(recipe, axis_sizes, ulysses, "parallel.ulysses")
+        super().check(recipe, axis_sizes)
+
+    @classmethod
+    def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:
+        """A ring step between groups: each holds seq_len / ring degree tokens."""
+        ring = axis_sizes["context"] // recipe.parallel.ulysses
+        return (recipe.data.seq_len // ring,) * 2
 
     def local_attention(self, q, k, v, positions, segment_ids):
         options = tuple(sorted(self.kernel_options.items()))

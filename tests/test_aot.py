@@ -356,27 +356,29 @@ def test_chunked_mlp_gathers_its_weights_once_per_layer():
     assert grown == pytest.approx(mlp_elements * (4 - BF16) * 2 * (C - 1) / C, rel=0.01)
 
 
-PALLAS_KERNELS = ("lctrain_flash_forward", "lctrain_flash_dq", "lctrain_flash_dkv")
+KERNEL_NAMES = {"pallas": ("lctrain_flash_forward", "lctrain_flash_dq", "lctrain_flash_dkv"),
+                "splash": ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv")}
 
 
 @pytest.mark.slow
 @needs_libtpu
+@pytest.mark.parametrize("impl", ["pallas", "splash"])
 @pytest.mark.parametrize("topology, strategy", [
     *[("v5p:2x2x1", strategy) for strategy in ("all_gather", "ulysses", "ring", "usp")],
     # On tpu7x the two that call the kernel per ring step (CI time: one compile each).
     ("tpu7x:2x2x1", "ring"), ("tpu7x:2x2x1", "usp")])
-def test_train_step_runs_our_pallas_kernel_through_mosaic(topology, strategy):
-    """The whole train step with attention.impl=pallas, compiled for the TPU with every
-    device in the context axis (4 v5p chips; 8 devices on tpu7x, two per chip): every
-    strategy's program calls our forward, dq and dk/dv kernels as Mosaic custom calls
-    (not an XLA fallback)."""
+def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
+    """The whole train step with attention.impl=pallas (ours) or splash, compiled for the
+    TPU with every device in the context axis (4 v5p chips; 8 devices on tpu7x, two per
+    chip): every strategy's program calls the forward, dq and dk/dv kernels as Mosaic
+    custom calls (not an XLA fallback)."""
     overrides = [*MODEL_SETS, f"parallel.strategy={strategy}", "mesh.context=-1", "mesh.data=1",
-                 "data.seq_len=8192", "data.batch_size=1", "attention.impl=pallas"]
+                 "data.seq_len=8192", "data.batch_size=1", f"attention.impl={impl}"]
     if strategy == "usp":
         overrides.append("parallel.ulysses=2")
     compiled = aot.compile_train_step(load_recipe(None, overrides),
                                       aot.topology_devices(topology))
     mosaic_calls = [line for line in compiled.as_text().splitlines()
                     if 'custom_call_target="tpu_custom_call"' in line]
-    for kernel in PALLAS_KERNELS:
+    for kernel in KERNEL_NAMES[impl]:
         assert any(kernel in line for line in mosaic_calls), kernel

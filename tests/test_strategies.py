@@ -20,20 +20,20 @@ SEQ, BATCH = 64, 4
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def mixed_batch(vocab):
+def mixed_batch(vocab, seq):
     """Rows 0 and 2 pack three documents, rows 1 and 3 are one document each."""
     rng = np.random.default_rng(7)
-    tokens = rng.integers(1, vocab, (BATCH, SEQ + 1)).astype(np.int32)
-    segments = np.ones((BATCH, SEQ), np.int32)
+    tokens = rng.integers(1, vocab, (BATCH, seq + 1)).astype(np.int32)
+    segments = np.ones((BATCH, seq), np.int32)
     for row in (0, 2):
         segments[row, 13:] = 2
         segments[row, 40:] = 3
     positions = np.zeros_like(segments)
     for row in range(BATCH):
         starts = np.r_[0, np.flatnonzero(np.diff(segments[row])) + 1]
-        for start, end in zip(starts, np.r_[starts[1:], SEQ]):
+        for start, end in zip(starts, np.r_[starts[1:], seq]):
             positions[row, start:end] = np.arange(end - start)
-    loss_mask = np.ones((BATCH, SEQ), np.float32)
+    loss_mask = np.ones((BATCH, seq), np.float32)
     loss_mask[:, :-1] = segments[:, :-1] == segments[:, 1:]
     return Batch(tokens[:, :-1], tokens[:, 1:], positions, segments, loss_mask)
 
@@ -43,7 +43,7 @@ def loss_and_grads(recipe, devices):
     strategy = make_strategy(recipe, mesh)
     graphdef, state = nnx.split(Transformer(recipe.model, nnx.Rngs(3)))
     params = nnx.to_pure_dict(state)
-    fixed = mixed_batch(recipe.model.vocab)
+    fixed = mixed_batch(recipe.model.vocab, recipe.data.seq_len)
     source = SimpleNamespace(cfg=recipe.data, batch=lambda index, rows: Batch(
         *(getattr(fixed, name)[rows] for name in BATCH_FIELDS)))
     batch = device_batch(source, 0, strategy.sequence_order(recipe.data.seq_len), mesh)
@@ -58,9 +58,9 @@ def loss_and_grads(recipe, devices):
     return float(loss), jax.device_get(grads)
 
 
-def recipe_for(strategy, mesh, heads, load_balance=True, extra=()):
+def recipe_for(strategy, mesh, heads, load_balance=True, extra=(), seq=SEQ):
     sets = [f"parallel.strategy={strategy}", f"parallel.load_balance={load_balance}",
-            f"data.seq_len={SEQ}", f"data.batch_size={BATCH}", "model.n_heads=8",
+            f"data.seq_len={seq}", f"data.batch_size={BATCH}", "model.n_heads=8",
             f"model.n_kv_heads={heads}", "model.d_model=64", "attention.block_kv=8",
             *[f"mesh.{axis}={size}" for axis, size in mesh.items()], *extra]
     return load_recipe(None, sets)
@@ -153,3 +153,20 @@ def test_chunked_mlp_and_loss_match_single_device(reference, strategy, mesh, chu
                                                  f"remat.policy={policy}"])
     devices = jax.devices()[:1] if strategy == "none" else jax.devices()
     assert_matches(reference[2], *loss_and_grads(recipe, devices))
+
+
+# attention.impl=splash (interpreted on CPU): its chunks must be multiples of 128 tokens,
+# so 1024 tokens over 4 context shards, load-balanced (8 chunks of 128), GQA.
+SPLASH_SEQ = 1024
+
+
+@pytest.fixture(scope="module")
+def splash_reference():
+    return loss_and_grads(recipe_for("none", {"data": 1}, 2, seq=SPLASH_SEQ), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
+def test_splash_kernel_matches_single_device(splash_reference, strategy):
+    extra = ["attention.impl=splash", *(["parallel.ulysses=2"] if strategy == "usp" else [])]
+    recipe = recipe_for(strategy, MESHES["data2_context4"], 2, extra=extra, seq=SPLASH_SEQ)
+    assert_matches(splash_reference, *loss_and_grads(recipe, jax.devices()))
