@@ -1,14 +1,8 @@
 """The Pallas flash-attention kernel (kernels/pallas.py) against the dense f32 reference.
 
 On CPU the kernels run in Pallas interpret mode: the same kernel bodies, grids, block
-specs and block skipping as on TPU, executed by XLA. Each case compares forward out and
-lse and the VJP (dq, dk, dv) under random cotangents for BOTH out and lse. Bounds are
-max absolute errors; inputs are N(0, 1), so values are O(1-10) and f32 errors ~1e-6.
-
-Speed: interpret-mode kernels are big XLA loops, so every distinct (shapes, dtype,
-causal, blocks) is compiled once, with XLA's cheap optimization level (the loops run in
-milliseconds; full optimization would triple compile time). Masks are data (positions
-and segment ids), so most cases share one compiled shape.
+specs and block skipping as on TPU, executed by XLA. The comparison, bounds and compile
+caching are tests/kernel_harness.py's.
 
 The last test (marked slow) compiles forward + backward for a real TPU v5p through
 Mosaic (libtpu ahead-of-time, no TPU needed).
@@ -19,124 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lctrain.kernels import IMPLS, attention, pallas
-from reference import dense_attention, merge_partials
+from kernel_harness import (F32_TOL, NAMES, KernelCase, assert_close, bf16_bounds,
+                            check_kv_halves, max_err)
+from lctrain.kernels import IMPLS, pallas
 
-# f32: max abs error bound for out, lse, dq, dk, dv (measured <= 3e-6).
-F32_TOL = 1e-5
-# bf16 inputs vs the f32 reference on the same rounded inputs: out and grads come back
-# in bf16, so the final rounding dominates. Bound: max abs err <= BF16_REL * max|ref|
-# (measured <= 4e-3); lse stays f32: absolute bound (measured 5e-7).
-BF16_REL = 2e-2
-BF16_LSE_TOL = 1e-4
-
-B, HQ, D = 2, 8, 16
-S, BLOCK = 96, 32  # the shared shape: 3 x 3 blocks, not a power of two
-
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-_EXECUTABLES = {}
-
-
-def _compiled(fn, *args, **static):
-    """jit(fn)(*args, **static), compiled once per (fn, static args, argument shapes)."""
-    key = (fn, tuple(sorted(static.items())),
-           tuple((np.shape(a), a.dtype) for a in args))
-    if key not in _EXECUTABLES:
-        lowered = jax.jit(fn, static_argnames=tuple(static)).lower(*args, **static)
-        _EXECUTABLES[key] = lowered.compile(compiler_options=_FAST_COMPILE)
-    return _EXECUTABLES[key](*args)
-
-
-# ---------------------------------------------------------------- inputs ----
-# NumPy, not eager jax ops: each eager op would compile once per shape.
-
-def _normal(rng, shape, dtype=jnp.float32):
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
-
-
-def _qkv(seed, hkv=2, dtype=jnp.float32):
-    rng = np.random.default_rng(seed)
-    return (_normal(rng, (B, S, HQ, D), dtype), _normal(rng, (B, S, hkv, D), dtype),
-            _normal(rng, (B, S, hkv, D), dtype))
-
-
-def _arange(s=S, offset=0):
-    return np.broadcast_to(np.arange(offset, offset + s, dtype=np.int32), (B, s)).copy()
-
-
-def _one_segment(s=S):
-    return np.zeros((B, s), np.int32)
-
-
-def _packed(n_docs, seed, s=S):
-    """(positions, segment ids) packing n_docs documents per row, different boundaries
-    per row; positions restart at 0 in every document."""
-    rng = np.random.default_rng(seed)
-    poss, segs = [], []
-    for _ in range(B):
-        starts = np.sort(rng.choice(np.arange(1, s), n_docs - 1, replace=False))
-        seg = np.searchsorted(starts, np.arange(s), side="right")
-        poss.append(np.arange(s) - np.concatenate([[0], starts])[seg])
-        segs.append(seg)
-    return np.stack(poss).astype(np.int32), np.stack(segs).astype(np.int32)
-
-
-def _cotangents(seed):
-    """Cotangents for out [b, sq, hq, d] and lse [b, hq, sq]; nonzero on every row,
-    including rows whose lse is -inf (their gradient must still be finite: zero)."""
-    rng = np.random.default_rng(1000 + seed)
-    return (rng.standard_normal((B, S, HQ, D), dtype=np.float32),
-            rng.standard_normal((B, HQ, S), dtype=np.float32))
-
-
-# ---------------------------------------------------------------- harness ----
-
-def _kernel_and_reference(q, k, v, qp, kp, qs, ks, cot_out, cot_lse, *, causal):
-    """[(out, lse, dq, dk, dv) of impl="pallas", the same of the dense reference]."""
-    def kernel(q, k, v):
-        return attention(q, k, v, q_positions=qp, kv_positions=kp, q_segment_ids=qs,
-                         kv_segment_ids=ks, causal=causal, impl="pallas", block_q=BLOCK,
-                         block_kv=BLOCK, return_lse=True)
-
-    def reference(q, k, v):
-        return dense_attention(q, k, v, qp, kp, qs, ks, causal)
-
-    results = []
-    for fn in (kernel, reference):
-        (out, lse), vjp = jax.vjp(fn, q, k, v)
-        results.append((out, lse, *vjp((cot_out.astype(out.dtype), cot_lse))))
-    return results
-
-
-_NAMES = ("out", "lse", "dq", "dk", "dv")
-
-
-def _run(q, k, v, qp, kp, qs, ks, *, causal=True, seed=0, cotangents=None):
-    """(got, want): dicts name -> f32 NumPy array, kernel and reference."""
-    cot_out, cot_lse = _cotangents(seed) if cotangents is None else cotangents
-    got, want = _compiled(_kernel_and_reference, q, k, v, qp, kp, qs, ks, cot_out, cot_lse,
-                          causal=causal)
-    assert [x.dtype for x in got] == [q.dtype, jnp.float32, q.dtype, k.dtype, v.dtype]
-    return ({n: np.asarray(x, np.float32) for n, x in zip(_NAMES, got)},
-            {n: np.asarray(x, np.float32) for n, x in zip(_NAMES, want)})
-
-
-def _max_err(got, want):
-    """Max abs error; -inf entries (empty rows' lse) must coincide exactly."""
-    assert np.array_equal(np.isneginf(got), np.isneginf(want)), "empty rows differ"
-    finite = np.isfinite(want)
-    assert np.all(np.isfinite(got[finite])), "kernel produced non-finite values"
-    return float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
-
-
-def _assert_close(got, want, bounds=None):
-    """max abs error <= bounds[name] (default F32_TOL) for out, lse, dq, dk, dv."""
-    bounds = dict.fromkeys(_NAMES, F32_TOL) if bounds is None else bounds
-    for name in ("out", "dq", "dk", "dv"):  # finite everywhere, even on empty rows
-        assert np.all(np.isfinite(got[name])), f"{name} has NaN/inf"
-    errors = {n: _max_err(got[n], want[n]) for n in bounds}
-    bad = {n: (errors[n], bounds[n]) for n in bounds if not errors[n] <= bounds[n]}
-    assert not bad, f"max abs error above bound (err, bound): {bad}"
+BLOCK = 32
+CASE = KernelCase(impl="pallas", b=2, s=96, hq=8, d=16, block=BLOCK)  # 3 x 3 blocks
+B, S, HQ, D = CASE.b, CASE.s, CASE.hq, CASE.d
 
 
 # ------------------------------------------------------------------ tests ----
@@ -149,20 +32,20 @@ def test_registered_as_an_impl():
 def test_gqa_ratios_causal(gqa):
     """hq = 8 query heads over 8 // gqa kv heads (query head i uses kv head i // gqa),
     causal, s = 96 in 32-blocks: skipped, unmasked and masked block pairs. F32_TOL."""
-    q, k, v = _qkv(gqa, hkv=HQ // gqa)
-    pos, seg = _arange(), _one_segment()
-    got, want = _run(q, k, v, pos, pos, seg, seg, seed=gqa)
-    _assert_close(got, want)
+    q, k, v = CASE.qkv(gqa, hkv=HQ // gqa)
+    pos, seg = CASE.arange(), CASE.one_segment()
+    got, want = CASE.run(q, k, v, pos, pos, seg, seg, seed=gqa)
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_packed_segments(causal):
     """Four documents per row (different boundaries per row), positions restarting per
     document, GQA 4; non-causal attention still stays inside each document. F32_TOL."""
-    q, k, v = _qkv(10)
-    pos, seg = _packed(n_docs=4, seed=10)
-    got, want = _run(q, k, v, pos, pos, seg, seg, causal=causal, seed=10)
-    _assert_close(got, want)
+    q, k, v = CASE.qkv(10)
+    pos, seg = CASE.packed(n_docs=4, seed=10)
+    got, want = CASE.run(q, k, v, pos, pos, seg, seg, causal=causal, seed=10)
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("kv_chunk", [0, 1, 2], ids=["kv0", "kv1", "diagonal"])
@@ -170,24 +53,24 @@ def test_ring_step_offsets(kv_chunk):
     """A ring step: q is chunk 2 of a 4-chunk sequence (positions 192..287), k/v are
     chunk `kv_chunk`: earlier chunks fully visible (no mask at all), the diagonal one
     causal. F32_TOL."""
-    q, k, v = _qkv(12 + kv_chunk)
-    seg = _one_segment()
-    got, want = _run(q, k, v, _arange(offset=2 * S), _arange(offset=kv_chunk * S), seg, seg,
-                     seed=kv_chunk)
-    _assert_close(got, want)
+    q, k, v = CASE.qkv(12 + kv_chunk)
+    seg = CASE.one_segment()
+    got, want = CASE.run(q, k, v, CASE.arange(offset=2 * S), CASE.arange(offset=kv_chunk * S),
+                         seg, seg, seed=kv_chunk)
+    assert_close(got, want)
     assert np.all(np.isfinite(got["lse"]))
 
 
 def test_ring_step_future_chunk_is_fully_masked():
     """q = chunk 2, k/v = chunk 3: every block pair is skipped. Exactly out == 0,
     lse == -inf, dq == dk == dv == 0 under nonzero cotangents (bound 0)."""
-    q, k, v = _qkv(20)
-    seg = _one_segment()
-    got, want = _run(q, k, v, _arange(offset=2 * S), _arange(offset=3 * S), seg, seg)
+    q, k, v = CASE.qkv(20)
+    seg = CASE.one_segment()
+    got, want = CASE.run(q, k, v, CASE.arange(offset=2 * S), CASE.arange(offset=3 * S), seg, seg)
     assert np.all(np.isneginf(got["lse"]))
     for name in ("out", "dq", "dk", "dv"):
         assert np.all(got[name] == 0), name
-    _assert_close(got, want, dict.fromkeys(_NAMES, 0.0))
+    assert_close(got, want, dict.fromkeys(NAMES, 0.0))
 
 
 @pytest.mark.parametrize("case", ["causal", "later_documents", "earlier_documents"])
@@ -199,23 +82,23 @@ def test_skipped_blocks_are_never_read(case):
       causal: in order, one document; q blocks 0, 1 precede kv block 2 (poisoned).
       later / earlier_documents: not causal, one document per block; the poisoned kv
         block 2 (0) holds only later (earlier) segments than q blocks 0, 1 (1, 2)."""
-    q, k, v = _qkv(22)
+    q, k, v = CASE.qkv(22)
     causal = case == "causal"
     if causal:
-        pos, seg = _arange(), _one_segment()
+        pos, seg = CASE.arange(), CASE.one_segment()
     else:
-        seg = _arange() // BLOCK
-        pos = _arange() - seg * BLOCK
+        seg = CASE.arange() // BLOCK
+        pos = CASE.arange() - seg * BLOCK
     poisoned, unaffected = ((2, slice(0, 2 * BLOCK)) if case != "earlier_documents"
                             else (0, slice(BLOCK, 3 * BLOCK)))
     k_nan, v_nan = (x.at[:, poisoned * BLOCK:(poisoned + 1) * BLOCK].set(jnp.nan)
                     for x in (k, v))
-    got, _ = _run(q, k_nan, v_nan, pos, pos, seg, seg, causal=causal, seed=22)
-    _, want = _run(q, k, v, pos, pos, seg, seg, causal=causal, seed=22)
+    got, _ = CASE.run(q, k_nan, v_nan, pos, pos, seg, seg, causal=causal, seed=22)
+    _, want = CASE.run(q, k, v, pos, pos, seg, seg, causal=causal, seed=22)
     for name, axis in (("out", 1), ("lse", 2), ("dq", 1)):
         rows = [slice(None)] * 3
         rows[axis] = unaffected
-        assert _max_err(got[name][tuple(rows)], want[name][tuple(rows)]) <= F32_TOL, name
+        assert max_err(got[name][tuple(rows)], want[name][tuple(rows)]) <= F32_TOL, name
 
 
 def test_some_rows_empty():
@@ -223,85 +106,47 @@ def test_some_rows_empty():
     out 0 / lse -inf and zero gradients; the other rows are unaffected. Keys start at
     position 31, so query 31 sees exactly one key: the corner of its block pair, which
     must not be skipped. F32_TOL."""
-    q, k, v = _qkv(21)
-    q_seg = _one_segment()
+    q, k, v = CASE.qkv(21)
+    q_seg = CASE.one_segment()
     q_seg[:, 40:50] = 7  # segment 7 has no keys
-    kv_pos = _arange(offset=BLOCK - 1)
-    got, want = _run(q, k, v, _arange(), kv_pos, q_seg, _one_segment(), seed=21)
+    kv_pos = CASE.arange(offset=BLOCK - 1)
+    got, want = CASE.run(q, k, v, CASE.arange(), kv_pos, q_seg, CASE.one_segment(), seed=21)
     empty = [*range(BLOCK - 1), *range(40, 50)]
     assert np.all(np.isneginf(got["lse"][:, :, empty]))
     assert np.all(got["out"][:, empty] == 0) and np.all(got["dq"][:, empty] == 0)
     assert np.all(np.isfinite(np.delete(got["lse"], empty, axis=2)))
-    _assert_close(got, want)
+    assert_close(got, want)
 
 
 def test_load_balanced_permutation():
     """Tokens (of three packed documents) stored in a shuffled order, positions and
     segments moving with them: the kernel on the shuffled layout equals the reference
     in the original order, shuffled. Masks come from positions, not indices. F32_TOL."""
-    q, k, v = _qkv(30)
-    pos, seg = _packed(n_docs=3, seed=30)
+    q, k, v = CASE.qkv(30)
+    pos, seg = CASE.packed(n_docs=3, seed=30)
     perm = np.random.default_rng(30).permutation(S)
-    cot_out, cot_lse = _cotangents(30)
+    cot_out, cot_lse = CASE.cotangents(30)
 
     def shuffle(x, axis=1):
         return np.take(np.asarray(x), perm, axis=axis)
 
-    got, _ = _run(*(jnp.asarray(shuffle(x)) for x in (q, k, v)), shuffle(pos), shuffle(pos),
-                  shuffle(seg), shuffle(seg), cotangents=(cot_out, cot_lse))
+    got, _ = CASE.run(*(jnp.asarray(shuffle(x)) for x in (q, k, v)), shuffle(pos),
+                      shuffle(pos), shuffle(seg), shuffle(seg), cotangents=(cot_out, cot_lse))
     inv = np.argsort(perm)
-    _, ref = _run(q, k, v, pos, pos, seg, seg, cotangents=(cot_out[:, inv], cot_lse[:, :, inv]))
+    _, ref = CASE.run(q, k, v, pos, pos, seg, seg,
+                      cotangents=(cot_out[:, inv], cot_lse[:, :, inv]))
     want = {n: shuffle(x, axis=2 if n == "lse" else 1) for n, x in ref.items()}
-    _assert_close(got, want)
+    assert_close(got, want)
 
 
 def test_bf16_inputs():
     """bf16 q/k/v (packed, causal) vs the f32 reference on the same rounded inputs.
     Bounds: max abs err <= BF16_REL * max|reference| for out and grads, BF16_LSE_TOL
     absolute for lse. out and grads come back in bf16."""
-    q, k, v = _qkv(40, dtype=jnp.bfloat16)
-    pos, seg = _packed(n_docs=2, seed=40)
-    got, want = _run(q, k, v, pos, pos, seg, seg, seed=40)
-    bounds = {n: BF16_REL * float(np.max(np.abs(want[n]))) for n in ("out", "dq", "dk", "dv")}
-    _assert_close(got, want, {**bounds, "lse": BF16_LSE_TOL})
-
-
-def _kv_halves(q, k, v, pos, seg, cot_out, cot_lse):
-    """Attention over two kv halves, as ring attention uses the kernel, and the dense
-    reference over all keys. Returns (merged, reference, block_backward, reference
-    with zero lse cotangent), each (out, lse, dq, dk, dv):
-      merged: halves' (out, lse) merged with logsumexp weights, its VJP (differentiates
-        through each half's lse);
-      block_backward: flash_attention_backward of each half given the FINAL out/lse,
-        dq summed and dk, dv concatenated over the halves (lse cotangent 0)."""
-    halves = [jnp.split(x, 2, axis=1) for x in (k, v, pos, seg)]
-
-    def merged(q, k, v):
-        parts = [pallas.flash_attention(q, kh, vh, pos, ph, seg, sh, block_q=BLOCK,
-                                        block_kv=BLOCK)
-                 for kh, vh, ph, sh in zip(*(jnp.split(x, 2, axis=1) for x in (k, v)),
-                                           *halves[2:])]
-        return merge_partials(parts)
-
-    def reference(q, k, v):
-        return dense_attention(q, k, v, pos, pos, seg, seg)
-
-    results = []
-    for fn in (merged, reference):
-        (out, lse), vjp = jax.vjp(fn, q, k, v)
-        results.append((out, lse, *vjp((cot_out, cot_lse))))
-    (out, lse), vjp = jax.vjp(reference, q, k, v)
-    reference_no_dlse = (out, lse, *vjp((cot_out, jnp.zeros_like(cot_lse))))
-
-    out, lse = pallas.flash_attention(q, k, v, pos, pos, seg, seg, block_q=BLOCK,
-                                      block_kv=BLOCK)
-    grads = [pallas.flash_attention_backward(q, kh, vh, out, lse, cot_out, pos, ph, seg, sh,
-                                             causal=True, block_q=BLOCK, block_kv=BLOCK)
-             for kh, vh, ph, sh in zip(*halves)]
-    (dq0, dk0, dv0), (dq1, dk1, dv1) = grads
-    block_backward = (out, lse, dq0 + dq1, jnp.concatenate([dk0, dk1], axis=1),
-                      jnp.concatenate([dv0, dv1], axis=1))
-    return (*results, block_backward, reference_no_dlse)
+    q, k, v = CASE.qkv(40, dtype=jnp.bfloat16)
+    pos, seg = CASE.packed(n_docs=2, seed=40)
+    got, want = CASE.run(q, k, v, pos, pos, seg, seg, seed=40)
+    assert_close(got, want, bf16_bounds(want))
 
 
 def test_kv_halves_like_a_ring():
@@ -309,14 +154,7 @@ def test_kv_halves_like_a_ring():
     some queries see nothing in the second half (lse -inf there). (1) Halves merged
     through lse, differentiated with out and lse cotangents; (2) the block backward of
     each half given the final out/lse, summed, vs the full gradient. Both F32_TOL."""
-    q, k, v = _qkv(25)
-    pos, seg = _packed(n_docs=2, seed=25)
-    cot_out, cot_lse = _cotangents(25)
-    merged, reference, block_backward, reference_no_dlse = (
-        {n: np.asarray(x) for n, x in zip(_NAMES, result)}
-        for result in _compiled(_kv_halves, q, k, v, pos, seg, cot_out, cot_lse))
-    _assert_close(merged, reference)
-    _assert_close(block_backward, reference_no_dlse)
+    check_kv_halves(pallas, CASE, 25, *CASE.packed(n_docs=2, seed=25))
 
 
 def _largest_intermediate(jaxpr):
@@ -338,7 +176,8 @@ def test_memory_is_linear_in_sequence_length():
     a mask: the largest intermediate (kernel bodies included) is < s * s. Tracing only."""
     s = 1024
     rng = np.random.default_rng(0)
-    q, k, v = (_normal(rng, (1, s, 2, D)) for _ in range(3))
+    q, k, v = (jnp.asarray(rng.standard_normal((1, s, 2, D), dtype=np.float32))
+               for _ in range(3))
     pos, seg = np.arange(s, dtype=np.int32)[None], np.zeros((1, s), np.int32)
 
     def loss(q, k, v):

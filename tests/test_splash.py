@@ -42,6 +42,14 @@ def test_gqa_ratios_causal(gqa):
     assert_close(got, want)
 
 
+def test_odd_number_of_blocks():
+    """384 tokens: three 128-token blocks, packed documents. F32_TOL."""
+    case = dataclasses.replace(CASE, s=384)
+    q, k, v = case.qkv(70)
+    _, seg = case.packed(n_docs=2, seed=70)
+    assert_close(*case.run(q, k, v, case.arange(), case.arange(), seg, seg, seed=70))
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_packed_segments(causal):
     """Four documents per row, boundaries inside blocks and different per row: segment
