@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from lctrain.kernels import attention
 from reference import dense_attention, merge_partials
@@ -192,3 +193,40 @@ def check_kv_halves(kernel, case, seed, pos, seg):
                                kernel=kernel, block=case.block))
     assert_close(merged, reference)
     assert_close(block_backward, reference_no_dlse)
+
+
+def compiled_for_four_v5p_chips(kernel, check_vma):
+    """HLO text of forward + backward (bf16, b=1, s=8192 per chip, 8 query heads over 2 kv
+    heads, d=128, blocks 512) and the ring-style block backward of a kernel module,
+    compiled for a 4-chip TPU v5p inside a shard_map (libtpu ahead-of-time, no TPU)."""
+    pytest.importorskip("libtpu", reason="TPU AOT compiles need libtpu (the tpu extra)")
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from lctrain.parallel import aot
+
+    mesh = jax.sharding.Mesh(np.array(aot.topology_devices("v5p:2x2x1")).reshape(4), ("x",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    b, s, hq, hkv, d = 1, 8192, 8, 2, 128
+    options = dict(causal=True, block_q=512, block_kv=512, platform="tpu")
+
+    def per_chip(q, k, v, pos, seg, cot_out, cot_lse):
+        def fn(q, k, v):
+            return kernel.flash_attention(q, k, v, pos, pos, seg, seg, **options)
+        (out, lse), vjp = jax.vjp(fn, q, k, v)
+        block_grads = kernel.flash_attention_backward(q, k, v, out, lse, cot_out, pos, pos,
+                                                      seg, seg, **options)
+        return out, lse, *vjp((cot_out, cot_lse)), *block_grads
+
+    spec = PartitionSpec("x")
+    sharded = jax.shard_map(per_chip, mesh=mesh, in_specs=spec, out_specs=spec,
+                            check_vma=check_vma)
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct((4 * shape[0], *shape[1:]), dtype,
+                                    sharding=NamedSharding(mesh, spec))
+
+    args = (arg((b, s, hq, d), jnp.bfloat16), arg((b, s, hkv, d), jnp.bfloat16),
+            arg((b, s, hkv, d), jnp.bfloat16), arg((b, s), jnp.int32),
+            arg((b, s), jnp.int32), arg((b, s, hq, d), jnp.bfloat16),
+            arg((b, hq, s), jnp.float32))
+    return jax.jit(sharded).lower(*args).compile().as_text()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kernel_harness import (F32_TOL, NAMES, KernelCase, assert_close, bf16_bounds,
-                            check_kv_halves, max_err)
+                            check_kv_halves, compiled_for_four_v5p_chips, max_err)
 from lctrain.kernels import IMPLS, pallas
 
 BLOCK = 32
@@ -203,44 +203,10 @@ def test_tpu_block_sizes():
 
 @pytest.mark.slow
 def test_compiles_for_tpu_v5p_through_mosaic():
-    """Forward + backward (bf16, b=1, s=8192 per chip, 8 query heads over 2 kv heads,
-    d=128, blocks 512), and the ring-style block backward, compile for a 4-chip TPU v5p
-    inside a shard_map (with its default check_vma=True): the HLO holds the Mosaic
-    kernels (forward, dq, dk/dv, then dq, dk/dv of the block backward)."""
-    pytest.importorskip("libtpu", reason="TPU AOT compiles need libtpu (the tpu extra)")
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    try:
-        devices = topologies.get_topology_desc(platform="tpu",
-                                               topology_name="v5p:2x2x1").devices
-    except Exception as error:  # libtpu present but unusable here
-        pytest.skip(f"no TPU topology: {error}")
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(4), ("x",),
-                             axis_types=(jax.sharding.AxisType.Auto,))
-    b, s, hq, hkv, d = 1, 8192, 8, 2, 128
-    blocks = dict(causal=True, block_q=512, block_kv=512, platform="tpu")
-
-    def per_chip(q, k, v, pos, seg, cot_out, cot_lse):
-        def fn(q, k, v):
-            return pallas.flash_attention(q, k, v, pos, pos, seg, seg, **blocks)
-        (out, lse), vjp = jax.vjp(fn, q, k, v)
-        block_grads = pallas.flash_attention_backward(q, k, v, out, lse, cot_out, pos, pos,
-                                                      seg, seg, **blocks)
-        return out, lse, *vjp((cot_out, cot_lse)), *block_grads
-
-    spec = PartitionSpec("x")
-    sharded = jax.shard_map(per_chip, mesh=mesh, in_specs=spec, out_specs=spec)
-
-    def arg(shape, dtype):
-        return jax.ShapeDtypeStruct((4 * shape[0], *shape[1:]), dtype,
-                                    sharding=NamedSharding(mesh, spec))
-
-    args = (arg((b, s, hq, d), jnp.bfloat16), arg((b, s, hkv, d), jnp.bfloat16),
-            arg((b, s, hkv, d), jnp.bfloat16), arg((b, s), jnp.int32),
-            arg((b, s), jnp.int32), arg((b, s, hq, d), jnp.bfloat16),
-            arg((b, hq, s), jnp.float32))
-    hlo = jax.jit(sharded).lower(*args).compile().as_text()
+    """Forward + backward and the ring-style block backward, compiled for 4 TPU v5p chips
+    inside a shard_map with its default check_vma=True (kernel_harness): the HLO holds
+    the Mosaic kernels (forward, dq, dk/dv, then dq, dk/dv of the block backward)."""
+    hlo = compiled_for_four_v5p_chips(pallas, check_vma=True)
     assert hlo.count('custom_call_target="tpu_custom_call"') == 5
     for kernel in ("lctrain_flash_forward", "lctrain_flash_dq", "lctrain_flash_dkv"):
         assert kernel in hlo
