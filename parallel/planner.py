@@ -94,8 +94,8 @@ from lctrain import kernels
 from lctrain.kernels import splash
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.chips import Chip
-from lctrain.parallel.strategy import stored_chunk_tokens
-from lctrain.recipes.schema import Recipe
+from lctrain.parallel.strategy import check_kernel_layout, stored_chunk_tokens
+from lctrain.recipes.schema import Recipe, RecipeError
 from lctrain.trainer.token_chunks import chunks_for
 
 BYTES = {"bfloat16": 2, "float32": 4}
@@ -386,7 +386,14 @@ def candidates(recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[list[tuple[s
     else:
         skipped["usp"] = "no Ulysses degree between 1 and mesh.context divides the heads"
     out.append(("ring", 1))
-    return out, skipped
+    for strategy, ulysses in out:
+        variant = recipe_for_strategy(recipe, strategy, ulysses)
+        try:
+            check_kernel_layout(variant, axis_sizes,
+                                STRATEGIES[strategy].kernel_lengths(variant, axis_sizes))
+        except RecipeError as err:  # attention.impl=splash where its tiles do not fit
+            skipped[strategy] = str(err).removeprefix("recipe key 'attention.impl' = 'splash': ")
+    return [(s, u) for s, u in out if s not in skipped], skipped
 
 
 # ------------------------------------------------------------------ estimate ----

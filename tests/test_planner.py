@@ -145,6 +145,17 @@ def test_candidates_follow_the_heads():
     assert [p.name for p in one.plans] == ["none"]
 
 
+def test_splash_leaves_out_strategies_its_block_map_cannot_serve():
+    """1M tokens on 4 chips: splash's map fits ring's 256K x 256K steps (and usp's 512K x
+    512K do not); all_gather (256K x 1M) and ulysses (1M x 1M) are left out, saying why."""
+    recipe = load_recipe(None, ["model.preset=llama3.1-8b", "data.seq_len=1048576",
+                                "data.batch_size=1", "attention.impl=splash"])
+    result = planner.plan(recipe, V5P, CONTEXT4)
+    assert [p.name for p in result.plans] == ["ring"]
+    assert "262144 queries x 1048576 keys" in result.skipped["all_gather"]
+    assert {"ulysses", "usp"} <= set(result.skipped)
+
+
 def test_recommendation_prefers_what_fits():
     recipe = tiny()
     small_chip = planner.plan(recipe, V5P, CONTEXT4)
