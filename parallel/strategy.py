@@ -119,13 +119,16 @@ def check_kernel_layout(recipe: Recipe, axis_sizes: dict[str, int],
     block map for a kernel call of `kernel_lengths` (queries, keys) cannot fit."""
     if recipe.attention.impl != "splash":
         return
-    chunk = stored_chunk_tokens(recipe, axis_sizes["context"])
+    context = axis_sizes["context"]
+    chunk = stored_chunk_tokens(recipe, context)
     if not splash.fits_chunks(chunk):
+        chunks = recipe.data.seq_len // chunk
         raise RecipeError(
             f"recipe key 'attention.impl' = 'splash': the stored sequence is made of chunks "
-            f"of {chunk} tokens (data.seq_len {recipe.data.seq_len} over mesh.context "
-            f"{axis_sizes['context']}, x2 with parallel.load_balance), and splash needs "
-            f"multiples of 128; change data.seq_len, or use attention.impl=pallas or auto")
+            f"of {chunk} tokens (data.seq_len {recipe.data.seq_len} / {chunks}: "
+            f"mesh.context {context}" + (", x2 for parallel.load_balance" if chunks > context
+                                         else "") + "), and splash needs multiples of 128; "
+            f"change data.seq_len, or use attention.impl=pallas or auto")
     try:
         splash.block_sizes(*kernel_lengths, recipe.attention.block_q, recipe.attention.block_kv,
                            chunk)
