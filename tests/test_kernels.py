@@ -18,6 +18,7 @@ import pytest
 
 from lctrain.kernels import IMPLS, attention, resolve_impl
 from lctrain.kernels.xla import largest_divisor_at_most
+from kernel_harness import assert_close
 from reference import dense_attention, merge_partials
 
 # f32: max abs error bound. Inputs are N(0, 1), so outputs, lse and grads are
@@ -121,23 +122,6 @@ def _run(q, k, v, qp, kp, qs, ks, *, causal, block_q=BLOCK, block_kv=BLOCK, seed
             {n: np.asarray(x, np.float32) for n, x in zip(names, want)})
 
 
-def _max_err(got, want):
-    """Max abs error; -inf entries (empty rows' lse) must coincide exactly."""
-    assert np.array_equal(np.isneginf(got), np.isneginf(want)), "empty rows differ"
-    finite = np.isfinite(want)
-    assert np.all(np.isfinite(got[finite])), "kernel produced non-finite values"
-    return float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
-
-
-def _assert_close(got, want, bounds):
-    """Assert max abs error <= bounds[name] for out, lse, dq, dk, dv."""
-    for name in ("out", "dq", "dk", "dv"):  # finite everywhere, even empty rows
-        assert np.all(np.isfinite(got[name])), f"{name} has NaN/inf"
-    errors = {n: _max_err(got[n], want[n]) for n in bounds}
-    bad = {n: (errors[n], bounds[n]) for n in bounds if not errors[n] <= bounds[n]}
-    assert not bad, f"max abs error above bound (err, bound): {bad}"
-
-
 def _f32_bounds(tol=F32_TOL):
     return dict.fromkeys(("out", "lse", "dq", "dk", "dv"), tol)
 
@@ -152,7 +136,7 @@ def test_gqa_ratios(gqa, causal):
     q, k, v = _qkv(gqa, hkv=HQ // gqa)
     pos, seg = _arange(S), _one_segment(S)
     got, want = _run(q, k, v, pos, pos, seg, seg, causal=causal, seed=gqa)
-    _assert_close(got, want, _f32_bounds())
+    assert_close(got, want, _f32_bounds())
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -162,7 +146,7 @@ def test_packed_segments(causal):
     q, k, v = _qkv(10)
     pos, seg = _packed(S, n_docs=4, seed=10)
     got, want = _run(q, k, v, pos, pos, seg, seg, causal=causal)
-    _assert_close(got, want, _f32_bounds())
+    assert_close(got, want, _f32_bounds())
     one = _one_segment(S)
     unpacked, _ = _run(q, k, v, pos, pos, one, one, causal=causal)
     assert np.max(np.abs(got["out"] - unpacked["out"])) > 0.1
@@ -177,7 +161,7 @@ def test_ring_step_offsets(kv_chunk):
     seg = _one_segment(S)
     got, want = _run(q, k, v, _arange(S, 2 * S), _arange(S, kv_chunk * S), seg, seg,
                      causal=True, seed=kv_chunk)
-    _assert_close(got, want, _f32_bounds())
+    assert_close(got, want, _f32_bounds())
     assert np.all(np.isfinite(got["lse"]))  # every query sees at least one key
 
 
@@ -190,7 +174,7 @@ def test_ring_step_future_chunk_is_fully_masked():
     assert np.all(np.isneginf(got["lse"])) and np.all(np.isneginf(want["lse"]))
     for name in ("out", "dq", "dk", "dv"):
         assert np.all(got[name] == 0), name
-    _assert_close(got, want, _f32_bounds(0.0))
+    assert_close(got, want, _f32_bounds(0.0))
 
 
 @jax.jit
@@ -225,7 +209,7 @@ def test_merge_through_lse_like_a_ring():
     names = ("out", "lse", "dq", "dk", "dv")
     got = {n: np.asarray(x) for n, x in zip(names, got)}
     want = {n: np.asarray(x) for n, x in zip(names, want)}
-    _assert_close(got, want, _f32_bounds())
+    assert_close(got, want, _f32_bounds())
 
 
 def test_some_rows_empty():
@@ -240,7 +224,7 @@ def test_some_rows_empty():
     assert np.all(np.isneginf(got["lse"][:, :, empty]))
     assert np.all(got["out"][:, empty] == 0)
     assert np.all(np.isfinite(np.delete(got["lse"], empty, axis=2)))
-    _assert_close(got, want, _f32_bounds())
+    assert_close(got, want, _f32_bounds())
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one_doc", "packed"])
@@ -263,7 +247,7 @@ def test_load_balanced_permutation(packed):
     _, ref = _run(q, k, v, pos, pos, seg, seg, causal=True,
                   cotangents=(cot_out[:, inv], cot_lse[:, :, inv]))
     want = {n: shuffle(x, axis=2 if n == "lse" else 1) for n, x in ref.items()}
-    _assert_close(got, want, _f32_bounds())
+    assert_close(got, want, _f32_bounds())
 
 
 def test_bf16_inputs():
@@ -274,7 +258,7 @@ def test_bf16_inputs():
     pos, seg = _packed(S, n_docs=2, seed=40)
     got, want = _run(q, k, v, pos, pos, seg, seg, causal=True)
     bounds = {n: BF16_REL * float(np.max(np.abs(want[n]))) for n in ("out", "dq", "dk", "dv")}
-    _assert_close(got, want, {**bounds, "lse": BF16_LSE_TOL})
+    assert_close(got, want, {**bounds, "lse": BF16_LSE_TOL})
 
 
 @pytest.mark.parametrize("causal,sq,skv,block_q,block_kv", [
@@ -287,7 +271,7 @@ def test_sq_differs_from_skv(causal, sq, skv, block_q, block_kv):
     q, k, v = _qkv(11, sq, skv, hkv=4)
     got, want = _run(q, k, v, _arange(sq, offset=skv - sq), _arange(skv), _one_segment(sq),
                      _one_segment(skv), causal=causal, block_q=block_q, block_kv=block_kv)
-    _assert_close(got, want, _f32_bounds())
+    assert_close(got, want, _f32_bounds())
 
 
 def test_block_sizes_are_largest_divisors():
