@@ -92,14 +92,20 @@ def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_i
     return (out, lse) if return_lse else out
 
 
-def _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens):
-    """The backend for one call: "auto" takes splash only where its tiles fit these
-    lengths, else our Pallas kernel."""
+def impl_for_call(impl: str, platform: str | None, sq: int, skv: int, block_q: int,
+                  block_kv: int, run_tokens: int | None) -> str:
+    """The backend name one call of sq queries x skv keys runs: "auto" takes splash only
+    where its tiles fit these lengths, else our Pallas kernel."""
     name = resolve_impl(impl, platform, run_tokens)
-    if impl == "auto" and name == "splash" and not splash.supports(
-            q.shape[1], k.shape[1], block_q, block_kv, run_tokens):
-        name = "pallas"
-    return _IMPLS[name]
+    if impl == "auto" and name == "splash" and not splash.supports(sq, skv, block_q, block_kv,
+                                                                   run_tokens):
+        return "pallas"
+    return name
+
+
+def _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens):
+    return _IMPLS[impl_for_call(impl, platform, q.shape[1], k.shape[1], block_q, block_kv,
+                                run_tokens)]
 
 
 def _runs(kernel, run_tokens):
@@ -142,4 +148,5 @@ def attention_block_backward(q, k, v, out, lse, dout, *, q_positions, kv_positio
                                  **_runs(kernel, run_tokens))
 
 
-__all__ = ["IMPLS", "attention", "attention_block_backward", "attention_mask", "resolve_impl"]
+__all__ = ["IMPLS", "attention", "attention_block_backward", "attention_mask", "impl_for_call",
+           "resolve_impl"]

@@ -22,9 +22,9 @@ the stored sequence is a multiple of the blocks (128 tokens at least, checked wh
 recipe loads). A layout that breaks the rule makes the output NaN, not silently wrong.
 
 The map lives in the kernel's scalar memory (1 MiB SMEM on v5p), so it is kept to
-`_MAP_ENTRIES` pairs by fetching longer kv blocks at long context (computed in slices of
-the requested size): at 1M tokens all_gather's 256K queries per chip x 1M keys take 4096-
-token kv blocks.
+`_MAP_ENTRIES` pairs by fetching longer kv blocks at long context (up to `_MAX_KV_BLOCK`,
+computed in slices of the requested size): at 1M tokens on 4 chips a ring step (256K x
+256K) takes 1024-token kv blocks; all_gather's 256K queries x 1M keys do not fit.
 
 Rows with no allowed key get out 0 and lse -inf like the other kernels (splash itself
 would divide by zero). The backward folds the lse cotangent into splash's per-row

@@ -466,11 +466,11 @@ def kernel_impl(recipe: Recipe, platform: str, axis_sizes: dict[str, int]) -> st
     if platform == "gpu":
         return "xla"  # the TPU kernels fall back to xla.py's there
     chunk = stored_chunk_tokens(recipe, axis_sizes["context"])
-    impl = kernels.resolve_impl(recipe.attention.impl, platform, chunk)
     lengths = STRATEGIES[recipe.parallel.strategy].kernel_lengths(recipe, axis_sizes)
-    if impl == "splash" and not splash.supports(*lengths, recipe.attention.block_q,
-                                                recipe.attention.block_kv, chunk):
-        return "pallas"  # what auto falls back to (an explicit splash fails the recipe check)
+    blocks = recipe.attention.block_q, recipe.attention.block_kv
+    impl = kernels.impl_for_call(recipe.attention.impl, platform, *lengths, *blocks, chunk)
+    if impl == "splash" and not splash.supports(*lengths, *blocks, chunk):
+        return "pallas"  # an explicit splash the recipe check refuses: estimate the fallback
     return impl
 
 

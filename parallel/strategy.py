@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from lctrain import kernels
 from lctrain.kernels import splash
 from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_spec
+from lctrain.recipes import stored_chunks
 from lctrain.recipes.schema import Recipe, RecipeError
 
 CONTEXT_AXIS = "context"
@@ -108,9 +109,8 @@ class ContextStrategy:
 
 def stored_chunk_tokens(recipe: Recipe, context: int) -> int:
     """Length of the contiguous runs of the original sequence that the stored order is
-    made of: 2 * context chunks when load-balanced, context otherwise."""
-    balanced = recipe.parallel.load_balance and context > 1
-    return recipe.data.seq_len // (2 * context if balanced else context)
+    made of (recipes.stored_chunks of them)."""
+    return recipe.data.seq_len // stored_chunks(recipe, context)
 
 
 def check_kernel_layout(recipe: Recipe, axis_sizes: dict[str, int],
@@ -122,7 +122,7 @@ def check_kernel_layout(recipe: Recipe, axis_sizes: dict[str, int],
     context = axis_sizes["context"]
     chunk = stored_chunk_tokens(recipe, context)
     if not splash.fits_chunks(chunk):
-        chunks = recipe.data.seq_len // chunk
+        chunks = stored_chunks(recipe, context)
         raise RecipeError(
             f"recipe key 'attention.impl' = 'splash': the stored sequence is made of chunks "
             f"of {chunk} tokens (data.seq_len {recipe.data.seq_len} / {chunks}: "

@@ -270,6 +270,12 @@ def resolve_mesh(recipe: Recipe, device_count: int) -> dict[str, int]:
     return sizes
 
 
+def stored_chunks(recipe: Recipe, context: int) -> int:
+    """How many contiguous chunks of the original sequence the stored order is made of:
+    2 * context when load-balanced (rank i holds chunks i and 2*context-1-i), else context."""
+    return 2 * context if recipe.parallel.load_balance and context > 1 else context
+
+
 def check_against_devices(recipe: Recipe, device_count: int) -> dict[str, int]:
     """Checks that depend on the device count; returns the resolved mesh axis sizes."""
     sizes = resolve_mesh(recipe, device_count)
@@ -279,7 +285,7 @@ def check_against_devices(recipe: Recipe, device_count: int) -> dict[str, int]:
              d.batch_size, f"must be divisible by mesh.data * mesh.fsdp * "
                            f"train.grad_accum_steps = {batch_shards * t.grad_accum_steps}")
     context = sizes["context"]
-    chunks = 2 * context if recipe.parallel.load_balance and context > 1 else context
+    chunks = stored_chunks(recipe, context)
     _require(d.seq_len % chunks == 0, "data.seq_len", d.seq_len,
              f"must be divisible by {chunks} (mesh.context={context}"
              + (", x2 for parallel.load_balance" if chunks != context else "") + ")")
