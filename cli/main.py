@@ -16,30 +16,8 @@ from rich.console import Console
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.trainer.data import DataError  # numpy only: safe before jax is configured
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Long-context language-model training with context parallelism.")
-console = Console()
-error_console = Console(stderr=True)
-
-
-def fail(message: str, code: int = 2) -> None:
-    """One line on stderr; exit 2 for bad input (nothing was compiled), 1 for a failed run."""
-    error_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code=code)
-
-
-def use_fake_cpu_devices(count: int) -> None:
-    """Fake devices are CPU devices: pin the platform too, so an installed libtpu (used for
-    ahead-of-time TPU compiles) does not go looking for a TPU first."""
-    if count > 0:
-        flag = f"--xla_force_host_platform_device_count={count}"
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-def default_run_dir(recipe_path: Optional[str]) -> Path:
-    name = Path(recipe_path).stem if recipe_path else "tiny"
-    return Path("runs") / name
+from .common import app, console, default_run_dir, error_console, fail, use_fake_cpu_devices
+from . import models, tokenize  # noqa: F401  registers their commands
 
 
 @app.callback()

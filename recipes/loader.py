@@ -16,7 +16,10 @@ from typing import Any, Literal
 
 import yaml
 
-from .schema import (MODEL_PRESETS, REMAT_TENSORS, Recipe, RecipeError)
+from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
+
+from .schema import (MODEL_PRESETS, REMAT_TENSORS, ROPE_KEYS, DataConfig, ModelConfig, Recipe,
+                     RecipeError)
 
 DEFAULT_RECIPE = "tiny"
 
@@ -32,10 +35,21 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()
     for assignment in overrides:
         key, value = _parse_override(assignment)
         _set_dotted(raw, key, value)
+    _fill_model_keys(raw)
     recipe = _build(Recipe, raw, prefix="")
-    _fill_model_preset(recipe)
+    _derive_model_keys(recipe.model)
     validate(recipe)
     return recipe
+
+
+def load_run_recipe(run_dir: str | os.PathLike, overrides: list[str] = ()) -> Recipe:
+    """The recipe a run trained with (recipe.yaml in its run dir). Every model key is set
+    there, so the model is rebuilt from them without model.init's folder."""
+    path = Path(run_dir) / "recipe.yaml"
+    if not path.is_file():
+        raise RecipeError(f"{path}: missing, so '{run_dir}' is not a run dir; give the folder "
+                          f"`lctrain run` trained into (--run-dir)")
+    return load_recipe(path, ["model.init=random", *overrides])
 
 
 def _read_yaml(path: str | os.PathLike | None) -> dict[str, Any]:
@@ -93,11 +107,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     values = {}
     for name, value in raw.items():
-        key = prefix + name
-        if dataclasses.is_dataclass(hints[name]):
-            values[name] = _build(hints[name], value, key + ".")
-        else:
-            values[name] = _coerce(key, value, hints[name])
+        values[name] = _coerce(prefix + name, value, hints[name])
     return cls(**values)
 
 
@@ -113,6 +123,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise RecipeError(f"recipe key '{key}': got {value!r}; allowed: "
                               f"{', '.join(map(str, args))}")
         return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".")
     if origin is dict:
         if not isinstance(value, dict):
             raise RecipeError(f"recipe key '{key}': got {value!r}; expected a mapping")
@@ -137,11 +149,56 @@ def _coerce_scalar(key: str, value: Any, hint: type) -> Any:
                       f"expected {expected}")
 
 
-def _fill_model_preset(recipe: Recipe) -> None:
-    preset = MODEL_PRESETS[recipe.model.preset]
-    for name, value in preset.items():
-        if getattr(recipe.model, name) is None:
-            setattr(recipe.model, name, value)
+def _fill_model_keys(raw: dict[str, Any]) -> None:
+    """Fills the unset model keys from model.init's config.json, or from the preset.
+
+    Keys the recipe sets must agree with an imported config.json, except RoPE's (changing
+    RoPE extends a context). A partial model.rope_scaling merges over the base's unless it
+    names another type."""
+    model = raw.setdefault("model", {})
+    if not isinstance(model, dict):
+        return  # _build names the key
+    hints = typing.get_type_hints(ModelConfig)
+    init = model.get("init", "random")
+    if isinstance(init, str) and init.startswith("hf:"):
+        from lctrain.trainer.hf_config import model_fields
+
+        _require("preset" not in model, "model.preset", model.get("preset"),
+                 f"model.init={init} takes the architecture from config.json; remove "
+                 f"model.preset")
+        seq_len = (raw.get("data") or {}).get("seq_len", 256)
+        base, source = model_fields(init[3:], seq_len), f"{init[3:]}/config.json"
+    else:
+        _require(init == "random", "model.init", init, "use 'random' or 'hf:<model folder>'")
+        preset = _coerce("model.preset", model.get("preset", "tiny"), hints["preset"])
+        base, source = MODEL_PRESETS[preset], None
+    for key, value in base.items():
+        given = model.get(key)
+        if key == "rope_scaling":
+            model[key] = _merged_rope_scaling(value, given)
+        elif given is None:
+            model[key] = value
+        elif source and key not in ROPE_KEYS and _coerce(f"model.{key}", given,
+                                                         hints[key]) != value:
+            raise RecipeError(f"recipe key 'model.{key}' = {given!r} disagrees with {source} "
+                              f"({value!r}); leave it unset or make it equal")
+
+
+def _merged_rope_scaling(base: dict[str, Any], given: Any) -> Any:
+    if given is None:
+        return dict(base)
+    if not isinstance(given, dict) or given.get("type", base["type"]) != base["type"]:
+        return given
+    return {**base, **given}
+
+
+def _derive_model_keys(model: ModelConfig) -> None:
+    if model.head_dim is None and model.n_heads > 0:
+        _require(model.d_model % model.n_heads == 0, "model.d_model", model.d_model,
+                 f"must be divisible by model.n_heads ({model.n_heads}), or set model.head_dim")
+        model.head_dim = model.d_model // model.n_heads
+    if model.rope_scaling.original_max_position_embeddings is None:
+        model.rope_scaling.original_max_position_embeddings = model.max_position_embeddings
 
 
 def _require(ok: bool, key: str, value: Any, fix: str) -> None:
@@ -152,12 +209,10 @@ def _require(ok: bool, key: str, value: Any, fix: str) -> None:
 def validate(recipe: Recipe) -> None:
     """Checks that need no devices; `check_against_devices` does the rest once jax is up."""
     m, d, t = recipe.model, recipe.data, recipe.train
-    for name in ("layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab"):
+    for name in ("layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab"):
         _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be positive")
-    _require(m.d_model % m.n_heads == 0, "model.d_model", m.d_model,
-             f"must be divisible by model.n_heads ({m.n_heads})")
-    _require(m.head_dim % 2 == 0, "model.d_model", m.d_model,
-             "d_model / n_heads must be even for RoPE")
+    _require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even for RoPE")
+    _validate_rope(m)
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
              f"must divide model.n_heads ({m.n_heads})")
     _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be positive")
@@ -182,6 +237,7 @@ def validate(recipe: Recipe) -> None:
     chunk = recipe.loss.chunk_tokens
     _require(chunk is None or chunk >= 0, "loss.chunk_tokens", chunk,
              "must be >= 0 (0 = unchunked) or null (chosen from data.seq_len)")
+    _require(recipe.eval.batches > 0, "eval.batches", recipe.eval.batches, "must be positive")
     _require(recipe.checkpoint.every >= 0, "checkpoint.every", recipe.checkpoint.every,
              "must be >= 0 (0 = only at the end)")
     _require(recipe.checkpoint.keep >= 1, "checkpoint.keep", recipe.checkpoint.keep,
@@ -192,17 +248,53 @@ def validate(recipe: Recipe) -> None:
              "must be positive")
 
 
+def _validate_rope(m: ModelConfig) -> None:
+    _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be positive")
+    scaling = m.rope_scaling
+    if scaling.type == "none":
+        return
+    _require(scaling.factor > 0, "model.rope_scaling.factor", scaling.factor, "must be positive")
+    _require(scaling.original_max_position_embeddings > 0,
+             "model.rope_scaling.original_max_position_embeddings",
+             scaling.original_max_position_embeddings, "must be positive")
+    if scaling.type == "llama3":
+        _require(scaling.high_freq_factor > scaling.low_freq_factor,
+                 "model.rope_scaling.high_freq_factor", scaling.high_freq_factor,
+                 f"must exceed model.rope_scaling.low_freq_factor ({scaling.low_freq_factor})")
+    if scaling.type == "yarn":
+        _require(scaling.beta_fast > scaling.beta_slow, "model.rope_scaling.beta_fast",
+                 scaling.beta_fast,
+                 f"must exceed model.rope_scaling.beta_slow ({scaling.beta_slow})")
+
+
 def _validate_source(recipe: Recipe) -> None:
     d = recipe.data
     if d.source == "synthetic":
         _require(d.seq_len >= 4, "data.seq_len", d.seq_len, "the synthetic task needs >= 4")
+        _require_no_tokenizer(d)
         return
-    path = Path(d.source)
-    _require(path.exists(), "data.source", d.source,
+    _require(Path(d.source).exists(), "data.source", d.source,
              "no such file or folder; use 'synthetic', a .bin/.npy token file or text file(s)")
-    if path.suffix not in (".bin", ".npy"):
-        _require(recipe.model.vocab >= 257, "model.vocab", recipe.model.vocab,
-                 "text sources use the byte tokenizer (256 bytes + end-of-document): need >= 257")
+    try:
+        if Path(d.source).suffix in (".bin", ".npy"):
+            _require_no_tokenizer(d)
+            token_file_settings(d.source, eos_id=d.eos_id, token_dtype=d.token_dtype,
+                                model_vocab=recipe.model.vocab)
+        elif d.tokenizer is not None:
+            DocumentTokenizer.load(d.tokenizer, key="data.tokenizer").check_vocab(
+                recipe.model.vocab, key="data.tokenizer")
+        else:
+            _require(recipe.model.vocab >= 257, "model.vocab", recipe.model.vocab,
+                     "text sources use the byte tokenizer (256 bytes + end-of-document): "
+                     "need >= 257, or set data.tokenizer")
+    except TokenizerError as err:
+        raise RecipeError(str(err)) from None
+
+
+def _require_no_tokenizer(d: DataConfig) -> None:
+    _require(d.tokenizer is None, "data.tokenizer", d.tokenizer,
+             "only used with a text data.source (a token file's sidecar <file>.json names "
+             "its tokenizer); set it to null")
 
 
 def _validate_mesh(recipe: Recipe) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from .schema import Recipe
+from .schema import MODEL_PRESETS, Recipe
+
+PRESET_KEYS = {f"model.{name}" for name in MODEL_PRESETS["tiny"]}
 
 START = "<!-- recipe-reference:start -->"
 END = "<!-- recipe-reference:end -->"
@@ -24,20 +26,40 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _default(field: dataclasses.Field) -> str:
+def _default(field: dataclasses.Field, key: str) -> str:
     if field.default_factory is not dataclasses.MISSING:
         return f"`{field.default_factory()!r}`"
-    return "from preset" if field.default is None else f"`{field.default!r}`"
+    if field.default is None:
+        return "preset or config.json" if key in PRESET_KEYS else "null"
+    return f"`{field.default!r}`"
+
+
+def _rows(cls: type, prefix: str) -> list[str]:
+    """One row per key of `cls`; a nested section (e.g. model.rope_scaling) gets its row,
+    then one per key inside it."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        key, hint = f"{prefix}{field.name}", hints[field.name]
+        section = _section(hint)
+        type_name = "section, below" if section else _type_name(hint)
+        rows.append(f"| `{key}` | {type_name} | {_default(field, key)} | {field.metadata['help']} |")
+        if section:
+            rows += _rows(section, key + ".")
+    return rows
+
+
+def _section(hint) -> type | None:
+    for candidate in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
 
 
 def recipe_reference() -> str:
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for section in dataclasses.fields(Recipe):
-        section_cls = typing.get_type_hints(Recipe)[section.name]
-        hints = typing.get_type_hints(section_cls)
-        for field in dataclasses.fields(section_cls):
-            rows.append(f"| `{section.name}.{field.name}` | {_type_name(hints[field.name])} | "
-                        f"{_default(field)} | {field.metadata['help']} |")
+        rows += _rows(typing.get_type_hints(Recipe)[section.name], section.name + ".")
     return "\n".join([START, *rows, END])
 
 

@@ -22,16 +22,29 @@ def option(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+LLAMA31_ROPE_SCALING = dict(type="llama3", factor=8.0, original_max_position_embeddings=8192,
+                            low_freq_factor=1.0, high_freq_factor=4.0)
+
+# Every model field a preset (or an imported config.json) must give; head_dim None means
+# d_model / n_heads.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(layers=2, d_model=128, n_heads=8, n_kv_heads=2, d_ff=384, vocab=128,
-                 rope_theta=10_000.0, rope_scaling_factor=0.0, tie_embeddings=False),
-    "llama3.1-8b": dict(layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
-                        vocab=128256, rope_theta=500_000.0, rope_scaling_factor=8.0,
-                        tie_embeddings=False),
-    "llama3.1-70b": dict(layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
-                         vocab=128256, rope_theta=500_000.0, rope_scaling_factor=8.0,
-                         tie_embeddings=False),
+    "tiny": dict(family="llama", layers=2, d_model=128, n_heads=8, n_kv_heads=2, head_dim=None,
+                 d_ff=384, vocab=128, qkv_bias=False, rope_theta=10_000.0,
+                 rope_scaling=dict(type="none"), max_position_embeddings=8192,
+                 tie_embeddings=False, norm_eps=1e-5),
+    "llama3.1-8b": dict(family="llama", layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+                        head_dim=None, d_ff=14336, vocab=128256, qkv_bias=False,
+                        rope_theta=500_000.0, rope_scaling=LLAMA31_ROPE_SCALING,
+                        max_position_embeddings=131072, tie_embeddings=False, norm_eps=1e-5),
+    "llama3.1-70b": dict(family="llama", layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
+                         head_dim=None, d_ff=28672, vocab=128256, qkv_bias=False,
+                         rope_theta=500_000.0, rope_scaling=LLAMA31_ROPE_SCALING,
+                         max_position_embeddings=131072, tie_embeddings=False, norm_eps=1e-5),
 }
+
+# Model keys that may differ from an imported config.json on purpose: changing RoPE is how
+# a pretrained model's context is extended.
+ROPE_KEYS = ("rope_theta", "rope_scaling")
 
 REMAT_TENSORS = (
     "decoder_layer_input", "query_proj", "key_proj", "value_proj",
@@ -42,26 +55,63 @@ STRATEGIES = ("none", "all_gather", "ulysses", "ring", "usp", "auto")
 
 
 @dataclass
+class RopeScalingConfig:
+    type: Literal["none", "linear", "llama3", "yarn"] = option(
+        "none", "How positions are stretched past the context the model was trained for, as "
+                "transformers defines each: none, linear (every frequency / factor), llama3 "
+                "(Llama 3.1: low frequencies / factor, high kept, smooth between) or yarn "
+                "(ramp between the two by rotations, and cos/sin scaled by attention_factor).")
+    factor: float = option(1.0, "Context multiple the scaling aims at (linear, llama3, yarn).")
+    original_max_position_embeddings: int | None = option(
+        None, "Context the frequencies were trained for (llama3, yarn); null takes "
+              "model.max_position_embeddings.")
+    low_freq_factor: float = option(
+        1.0, "llama3: wavelengths longer than original / low_freq_factor are divided by factor.")
+    high_freq_factor: float = option(
+        4.0, "llama3: wavelengths shorter than original / high_freq_factor are kept.")
+    beta_fast: float = option(32.0, "yarn: rotations above which a frequency is kept.")
+    beta_slow: float = option(1.0, "yarn: rotations below which a frequency is divided by factor.")
+    attention_factor: float | None = option(
+        None, "yarn: scale of cos and sin; null takes 0.1 * ln(factor) + 1.")
+    truncate: bool = option(True, "yarn: round the ramp's ends to whole dimensions.")
+
+
+@dataclass
 class ModelConfig:
+    init: str = option(
+        "random", "'random' (seeded by train.seed), or 'hf:<dir>': a Hugging Face model folder "
+                  "(config.json + *.safetensors), whose config.json gives every key below "
+                  "(they must agree with it or be unset; rope_theta and rope_scaling may "
+                  "differ on purpose: that is how a context is extended).")
     preset: Literal["tiny", "llama3.1-8b", "llama3.1-70b"] = option(
-        "tiny", "Architecture preset; the fields below override single values of it.")
+        "tiny", "Architecture preset for model.init=random; the keys below override single "
+                "values of it.")
+    family: Literal["llama", "mistral", "qwen2"] | None = option(
+        None, "Hugging Face architecture written by `lctrain export` (Llama, Mistral, Qwen2).")
     layers: int | None = option(None, "Decoder layers (scanned, so compile time does not grow).")
     d_model: int | None = option(None, "Hidden width.")
     n_heads: int | None = option(None, "Query heads.")
     n_kv_heads: int | None = option(None, "Key/value heads (GQA when fewer than n_heads).")
+    head_dim: int | None = option(None, "Width of one head; null means d_model / n_heads.")
     d_ff: int | None = option(None, "SwiGLU inner width.")
     vocab: int | None = option(None, "Vocabulary size.")
+    qkv_bias: bool | None = option(None, "Biases on the q, k and v projections (Qwen2).")
     rope_theta: float | None = option(None, "RoPE base frequency.")
-    rope_scaling_factor: float | None = option(
-        None, "Llama 3.1 long-context RoPE scaling factor; 0 turns scaling off.")
+    rope_scaling: RopeScalingConfig | None = option(
+        None, "RoPE scaling, model.rope_scaling.* below; keys given merge over the preset's "
+              "or config.json's unless the type changes.")
+    max_position_embeddings: int | None = option(
+        None, "Context the model was made for (config.json's); export writes the larger of "
+              "it and data.seq_len.")
     tie_embeddings: bool | None = option(None, "Share the input embedding with the unembedding.")
     dtype: Literal["bfloat16", "float32"] = option(
         "bfloat16", "Compute dtype; master weights and optimizer state stay float32.")
-    norm_eps: float = option(1e-5, "RMSNorm epsilon.")
+    norm_eps: float | None = option(None, "RMSNorm epsilon.")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def hf_dir(self) -> str | None:
+        """The Hugging Face folder of model.init=hf:<dir>, else None."""
+        return self.init.removeprefix("hf:") if self.init.startswith("hf:") else None
 
 
 @dataclass
@@ -70,13 +120,21 @@ class DataConfig:
     batch_size: int = option(8, "Global batch size in sequences (all devices together).")
     source: str = option(
         "synthetic",
-        "'synthetic' (a copy task across the whole sequence), a token file (.bin/.npy), "
-        "or a text file or folder of .txt files (byte-level tokenizer).")
-    token_dtype: Literal["uint16", "uint32"] = option(
-        "uint16", "Element type of a raw .bin token file (.npy files carry their own).")
+        "'synthetic' (a copy task across the whole sequence), a token file (.bin/.npy, "
+        "e.g. from `lctrain tokenize`), or a text file or folder of .txt files (each file "
+        "one document, tokenized with data.tokenizer, else byte by byte).")
+    tokenizer: str | None = option(
+        None, "Text sources: a Hugging Face model folder (tokenizer.json, tokenizer_config.json) "
+              "or a tokenizer.json file; documents end with its config's eos_token. null: "
+              "the byte-level tokenizer (ids 0-255, end of document 256).")
+    token_dtype: Literal["uint16", "uint32"] | None = option(
+        None, "Element type of a raw .bin token file; null takes its sidecar's (<file>.json), "
+              "else uint16. A value that disagrees with the sidecar is an error; .npy files "
+              "carry their own.")
     eos_id: int | None = option(
-        None, "Token that ends a document in a token file; None means one endless document. "
-              "Text files use the byte tokenizer's own end-of-document id (256).")
+        None, "Token that ends a document in a token file; null takes its sidecar's "
+              "(<file>.json). A raw token file with neither is one endless document. Text "
+              "sources use their tokenizer's end of document.")
 
 
 @dataclass
@@ -159,6 +217,13 @@ class LossConfig:
 
 
 @dataclass
+class EvalConfig:
+    source: str | None = option(
+        None, "Data `lctrain eval` reads (any data.source kind); null takes data.source.")
+    batches: int = option(4, "Batches of data.batch_size sequences `lctrain eval` averages over.")
+
+
+@dataclass
 class CheckpointConfig:
     every: int = option(100, "Save every N steps (and always at the end); 0 saves only at the end.")
     keep: int = option(3, "Checkpoints kept on disk; older ones are deleted.")
@@ -182,8 +247,14 @@ class Recipe:
     remat: RematConfig = field(default_factory=RematConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every key, as recipe YAML; an imported model's (unused) preset is left out, so
+        the dict loads back as the same recipe."""
+        raw = dataclasses.asdict(self)
+        if self.model.hf_dir is not None:
+            del raw["model"]["preset"]
+        return raw

@@ -27,7 +27,7 @@ def test_preset_values_are_overridden_field_by_field():
     recipe = load_recipe(None, ["model.preset=llama3.1-8b", "model.layers=4"])
     assert recipe.model.layers == 4
     assert recipe.model.d_model == 4096 and recipe.model.n_kv_heads == 8
-    assert recipe.model.vocab == 128256 and recipe.model.rope_scaling_factor == 8.0
+    assert recipe.model.vocab == 128256 and recipe.model.rope_scaling.factor == 8.0
 
 
 def test_overrides_convert_types():

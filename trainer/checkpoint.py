@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 
 from lctrain.recipes.schema import CheckpointConfig
@@ -32,6 +33,18 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return TrainState(*restored.state), int(restored.data["next_batch"])
+
+    def restore_params(self, abstract_params: dict, step: int | None = None) -> dict:
+        """The parameters alone of checkpoint `step` (default: the latest), into the
+        shardings of `abstract_params`: the optimizer state is never read."""
+        step = self.manager.latest_step() if step is None else step
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
+                                    abstract_params)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item={"params": abstract_params},
+                                         restore_args={"params": restore_args},
+                                         partial_restore=True)))
+        return restored.state["params"]
 
     def save(self, state: TrainState, step: int, next_batch: int, *, force: bool = False) -> bool:
         """Saves when `step` is on the interval (or forced); returns whether it saved."""

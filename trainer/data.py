@@ -11,7 +11,11 @@ Three kinds of source, chosen by `DataConfig.source`:
 
 * "synthetic": a copy task (the second half of each row repeats the first half).
 * a token file (.npy or raw .bin): one stream of concatenated documents.
-* anything else: a text file or a folder of .txt files, byte-tokenized in memory.
+* anything else: a text file or a folder of .txt files, tokenized in memory with
+  `data.tokenizer` (trainer/tokenizer.py) or, without one, byte by byte.
+
+A token file's eos id and element type come from its sidecar (`X.bin.json`, written by
+`lctrain tokenize`) when it has one, else from the recipe.
 
 Token files and text share the same windowing: the stream is cut into windows of
 seq_len + 1 tokens (inputs are the first seq_len, targets the last seq_len), visited in a
@@ -29,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from lctrain.recipes.schema import DataConfig
+
+from .tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
 
 BYTE_EOS = 256  # end-of-document id of the byte tokenizer: the first id after the 256 bytes
 
@@ -231,21 +237,42 @@ def make_source(cfg: DataConfig, *, vocab: int, seed: int) -> DataSource:
             f"token file, or a text file / folder of .txt files")
 
     if path.suffix in (".npy", ".bin"):
-        tokens = _load_npy(path) if path.suffix == ".npy" else _load_bin(path, cfg.token_dtype)
-        eos_id = cfg.eos_id
-        if eos_id is not None and not 0 <= eos_id < vocab:
-            raise DataError(
-                f"{path}: data.eos_id {eos_id} is outside the vocabulary [0, {vocab}); "
-                f"set data.eos_id to the tokenizer's end-of-document id")
+        tokens, eos_id = _open_token_file(path, cfg, vocab)
     else:
+        tokens, eos_id = _open_text(path, cfg.tokenizer, vocab)
+    return WindowedStreamSource(tokens, name=str(path), eos_id=eos_id,
+                                cfg=cfg, vocab=vocab, seed=seed)
+
+
+def _open_token_file(path: Path, cfg: DataConfig, vocab: int) -> tuple[np.ndarray, int | None]:
+    """The tokens of a .bin/.npy file and the id that ends its documents."""
+    try:
+        eos_id, dtype = token_file_settings(path, eos_id=cfg.eos_id,
+                                            token_dtype=cfg.token_dtype, model_vocab=vocab)
+    except TokenizerError as err:
+        raise DataError(str(err)) from None
+    tokens = _load_npy(path) if path.suffix == ".npy" else _load_bin(path, dtype)
+    if eos_id is not None and not 0 <= eos_id < vocab:
+        raise DataError(
+            f"{path}: data.eos_id {eos_id} is outside the vocabulary [0, {vocab}); "
+            f"set data.eos_id to the tokenizer's end-of-document id")
+    return tokens, eos_id
+
+
+def _open_text(path: Path, tokenizer_path: str | None, vocab: int) -> tuple[np.ndarray, int]:
+    """The documents of a text source, tokenized, and the id that ends each."""
+    if tokenizer_path is None:
         if vocab <= BYTE_EOS:
             raise DataError(
                 f"{path}: text uses the byte tokenizer (256 bytes + end-of-document id "
                 f"{BYTE_EOS}), which needs model.vocab >= {BYTE_EOS + 1}, got {vocab}")
-        tokens, eos_id = _load_text(path), BYTE_EOS
-
-    return WindowedStreamSource(tokens, name=str(path), eos_id=eos_id,
-                                cfg=cfg, vocab=vocab, seed=seed)
+        return _load_text(path, None), BYTE_EOS
+    try:
+        tokenizer = DocumentTokenizer.load(tokenizer_path, key="data.tokenizer")
+        tokenizer.check_vocab(vocab, key="data.tokenizer")
+    except TokenizerError as err:
+        raise DataError(str(err)) from None
+    return _load_text(path, tokenizer), tokenizer.eos_id
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -276,20 +303,33 @@ def _load_bin(path: Path, dtype_name: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def _load_text(path: Path) -> np.ndarray:
-    """All documents as one in-memory stream: each file's bytes followed by BYTE_EOS."""
+def files_under(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """Files below folder `path` (recursively) with one of `suffixes`, in a fixed order."""
+    return sorted(p for p in path.rglob("*") if p.suffix in suffixes and p.is_file())
+
+
+def text_of(data: bytes) -> str:
+    """A text file's contents for a tokenizer that takes str: read as bytes (so no newline
+    translation), and bytes that are not UTF-8 become U+FFFD rather than stop a run."""
+    return data.decode("utf-8", errors="replace")
+
+
+def _load_text(path: Path, tokenizer: DocumentTokenizer | None) -> np.ndarray:
+    """All documents as one in-memory stream, each file one document ending with its eos:
+    `tokenizer`'s ids, or without one the file's bytes followed by BYTE_EOS."""
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        files = files_under(path, (".txt",))
         if not files:
             raise DataError(f"{path}: folder has no .txt files (searched recursively); "
                             f"add some, or point data.source at a token file")
     else:
         files = [path]
-    # Raw bytes rather than read_text(): no newline translation, and files that are not
-    # valid UTF-8 still tokenize (exactly as encode_text would for valid ones).
-    documents = [_bytes_to_tokens(f.read_bytes()) for f in files]
-    documents = [doc for doc in documents if len(doc)]  # an empty file is no document
-    if not documents:
+    contents = [f.read_bytes() for f in files]
+    contents = [data for data in contents if data]  # an empty file is no document
+    if not contents:
         raise DataError(f"{path}: every text file is empty; add text to train on")
-    eos = np.array([BYTE_EOS], np.int32)
-    return np.concatenate([part for doc in documents for part in (doc, eos)])
+    if tokenizer is None:
+        documents = [np.append(_bytes_to_tokens(data), BYTE_EOS) for data in contents]
+    else:
+        documents = tokenizer.encode_documents([text_of(data) for data in contents])
+    return np.concatenate([np.asarray(doc, np.int32) for doc in documents])

@@ -23,7 +23,8 @@ from .checkpoint import Checkpointer
 from .data import Batch, DataSource, make_source
 from .metrics import MetricsWriter, peak_flops, training_flops_per_token
 from .model import count_parameters
-from .step import BATCH_FIELDS, TrainState, build_trainable, batch_shardings, make_train_step
+from .step import (BATCH_FIELDS, TrainState, build_trainable, batch_shardings, initial_state,
+                   make_train_step)
 
 
 def mesh_for(recipe: Recipe, devices=None, console: Console | None = None) -> Mesh:
@@ -36,6 +37,10 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None) -> Me
         console.print(choice, soft_wrap=True)
     strategy_class(recipe).check(recipe, sizes)
     return build_mesh(sizes, recipe.parallel.ulysses, devices)
+
+
+def model_name(recipe: Recipe) -> str:
+    return recipe.model.init if recipe.model.hf_dir else recipe.model.preset
 
 
 def device_memory_bytes(devices) -> int:
@@ -90,11 +95,11 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     if is_main:
         (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     checkpointer = Checkpointer(run_dir / "checkpoints", recipe.checkpoint)
-    state, next_batch = _initial_state(trainable, checkpointer, console)
+    state, next_batch = _initial_state(recipe, trainable, checkpointer, console)
     order = strategy.sequence_order(recipe.data.seq_len)
     train_step = make_train_step(recipe, trainable, strategy, mesh)
     writer = MetricsWriter(run_dir, is_main, console)
-    console.print(f"model {recipe.model.preset}: {count_parameters(recipe.model):,} parameters | "
+    console.print(f"model {model_name(recipe)}: {count_parameters(recipe.model):,} parameters | "
                   f"mesh {dict(mesh.shape)} | strategy {strategy.name} | "
                   f"attention {recipe.attention.impl} | remat {recipe.remat.policy} | "
                   f"run dir {run_dir}", soft_wrap=True)
@@ -107,9 +112,9 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     return records
 
 
-def _initial_state(trainable, checkpointer: Checkpointer, console: Console):
+def _initial_state(recipe: Recipe, trainable, checkpointer: Checkpointer, console: Console):
     if checkpointer.latest_step() is None:
-        return trainable.init(), 0
+        return initial_state(recipe, trainable), 0
     state, next_batch = checkpointer.restore(trainable.abstract_state)
     console.print(f"resumed from checkpoint at step {int(state.step)}")
     return state, next_batch

@@ -1,4 +1,5 @@
-"""A Llama-3.x decoder in Flax NNX: RMSNorm, RoPE (with Llama 3.1 scaling), GQA, SwiGLU.
+"""A Llama-3.x decoder in Flax NNX: RMSNorm, RoPE (none, linear, llama3 or yarn scaling), GQA,
+SwiGLU, and Qwen2's q/k/v biases.
 
 Every parameter carries `axes`, its logical axis names; `lctrain.parallel.sharding` maps
 them onto the mesh. Layers are stacked on a leading 'layers' axis and applied with
@@ -13,6 +14,7 @@ from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -46,29 +48,61 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
-    """Per-pair rotation speeds; Llama 3.1 slows the low frequencies for long context."""
-    exponents = jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
-    if not cfg.rope_scaling_factor:
-        return inv_freq
-    # Llama 3.1's constants: wavelengths beyond original_context/low_freq_factor are divided
-    # by the factor, those below original_context/high_freq_factor kept, smooth in between.
-    factor, low_freq_factor, high_freq_factor, original_context = (
-        cfg.rope_scaling_factor, 1.0, 4.0, 8192.0)
-    wavelength = 2 * jnp.pi / inv_freq
-    smooth = (original_context / wavelength - low_freq_factor) / (
-        high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = jnp.where(wavelength > original_context / low_freq_factor, inv_freq / factor,
-                       blended)
-    return jnp.where(wavelength < original_context / high_freq_factor, inv_freq, scaled)
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Per-pair rotation speeds and the scale of cos/sin, as transformers defines them for
+    each model.rope_scaling type. Computed in float64 from the recipe alone (constants)."""
+    half = np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** half
+    scaling = cfg.rope_scaling
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if scaling.type == "llama3":
+        return _llama3_frequencies(inv_freq, scaling), 1.0
+    if scaling.type == "yarn":
+        return _yarn_frequencies(inv_freq, cfg.head_dim, cfg.rope_theta, scaling)
+    return inv_freq, 1.0
 
 
-def rotary_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _llama3_frequencies(inv_freq: np.ndarray, scaling) -> np.ndarray:
+    """Llama 3.1: wavelengths beyond original/low_freq_factor are divided by the factor,
+    those below original/high_freq_factor kept, and a smooth blend in between."""
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * np.pi / inv_freq
+    smooth = (original / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = np.where(wavelength > original / scaling.low_freq_factor,
+                      inv_freq / scaling.factor, blended)
+    return np.where(wavelength < original / scaling.high_freq_factor, inv_freq, scaled)
+
+
+def _yarn_frequencies(inv_freq: np.ndarray, head_dim: int, theta: float,
+                      scaling) -> tuple[np.ndarray, float]:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    divided by the factor, those turning more than beta_fast times kept, a linear ramp
+    between; cos and sin are scaled by the attention factor."""
+    def dimension_of(rotations):
+        original = scaling.original_max_position_embeddings
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(scaling.beta_fast), dimension_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2) - low) / max(high - low, 1e-3), 0, 1)
+    kept = 1 - ramp
+    inv_freq = inv_freq / scaling.factor * (1 - kept) + inv_freq * kept
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(scaling.factor) + 1 if scaling.factor > 1 else 1.0
+    return inv_freq, attention_factor
+
+
+def rotary_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """cos and sin [b, s, 1, d/2] of each token's true position, shared by all layers."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq
-    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    inv_freq, scale = rope_frequencies(cfg)
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    return (scale * jnp.cos(angles))[:, :, None, :], (scale * jnp.sin(angles))[:, :, None, :]
 
 
 def apply_rope(x: jax.Array, rotary: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -86,12 +120,23 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), e)
         self.wv = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), e)
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), h * d)
+        if cfg.qkv_bias:  # Qwen2
+            self.bq = nnx.Param(jnp.zeros((h, d), jnp.float32), axes=("heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((kv, d), jnp.float32), axes=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((kv, d), jnp.float32), axes=("kv_heads", "head_dim"))
+        else:
+            self.bq = self.bk = self.bv = None
+
+    @staticmethod
+    def project(x, weight: nnx.Param, bias: nnx.Param | None):
+        out = jnp.einsum("bse,ehd->bshd", x, _weight(weight, x.dtype))
+        return out if bias is None else out + _weight(bias, x.dtype)
 
     def __call__(self, x, positions, segment_ids, rotary, attend: Attend):
         dtype = x.dtype
-        q = checkpoint_name(jnp.einsum("bse,ehd->bshd", x, _weight(self.wq, dtype)), "query_proj")
-        k = checkpoint_name(jnp.einsum("bse,ehd->bshd", x, _weight(self.wk, dtype)), "key_proj")
-        v = checkpoint_name(jnp.einsum("bse,ehd->bshd", x, _weight(self.wv, dtype)), "value_proj")
+        q = checkpoint_name(self.project(x, self.wq, self.bq), "query_proj")
+        k = checkpoint_name(self.project(x, self.wk, self.bk), "key_proj")
+        v = checkpoint_name(self.project(x, self.wv, self.bv), "value_proj")
         q = apply_rope(q, rotary)
         k = apply_rope(k, rotary)
         context = checkpoint_name(attend(q, k, v, positions, segment_ids), "context")
@@ -155,8 +200,12 @@ def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
+        # Tied, the embedding is also the output matrix, used unscaled as transformers does:
+        # initialised like one (std 1/sqrt(d_model)) so the first logits are of order one.
+        embedding_std = 1 / math.sqrt(cfg.d_model) if cfg.tie_embeddings else 1.0
         self.embedding = nnx.Param(
-            jax.random.normal(rngs.params(), (cfg.vocab, cfg.d_model), jnp.float32),
+            embedding_std * jax.random.normal(rngs.params(), (cfg.vocab, cfg.d_model),
+                                              jnp.float32),
             axes=("vocab", "embed"))
         self.layers = _stacked_layers(cfg, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -167,7 +216,7 @@ class Transformer(nnx.Module):
     def output_weights(self) -> jax.Array:
         """[d_model, vocab] matrix the loss multiplies the final hidden states with."""
         if self.cfg.tie_embeddings:
-            return self.embedding[...].T / math.sqrt(self.cfg.d_model)
+            return self.embedding[...].T
         return self.unembedding[...]
 
     def __call__(self, tokens, positions, segment_ids, *, attend: Attend,
@@ -183,8 +232,7 @@ class Transformer(nnx.Module):
         tokens at a time (remat.mlp_chunk_tokens), with its weights from `gather_weight`."""
         dtype = jnp.dtype(self.cfg.dtype)
         x = split_tokens(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype))
-        rotary = tuple(map(split_tokens, rotary_tables(positions,
-                                                       rope_inverse_frequencies(self.cfg))))
+        rotary = tuple(map(split_tokens, rotary_tables(positions, self.cfg)))
         graphdef, stacked = nnx.split(self.layers)
 
         def one_layer(x, layer_state):
@@ -201,6 +249,7 @@ class Transformer(nnx.Module):
 def count_parameters(cfg: ModelConfig) -> int:
     e, f, v, layers = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.layers
     attention = e * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    per_layer = attention + 3 * e * f + 2 * e
+    biases = cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads) if cfg.qkv_bias else 0
+    per_layer = attention + biases + 3 * e * f + 2 * e
     embeddings = v * e * (1 if cfg.tie_embeddings else 2)
     return layers * per_layer + embeddings + e

@@ -36,6 +36,7 @@ class Trainable(NamedTuple):
     graphdef: nnx.GraphDef
     optimizer: optax.GradientTransformation
     init: Callable[[], TrainState]          # jitted, returns the sharded initial state
+    start_from: Callable[[dict], TrainState]  # jitted: given parameters, a fresh optimizer
     abstract_state: TrainState              # ShapeDtypeStructs with shardings (for restore/AOT)
     state_shardings: TrainState
 
@@ -70,7 +71,22 @@ def build_trainable(recipe: Recipe, mesh: Mesh) -> Trainable:
         lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
         shapes, shardings)
     init = jax.jit(fresh_state, out_shardings=shardings)
-    return Trainable(graphdef, optimizer, init, abstract_state, shardings)
+    start_from = jax.jit(
+        lambda params: TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params)),
+        out_shardings=shardings, donate_argnums=0)
+    return Trainable(graphdef, optimizer, init, start_from, abstract_state, shardings)
+
+
+def initial_state(recipe: Recipe, trainable: Trainable) -> TrainState:
+    """Step 0: random parameters, or model.init's Hugging Face weights read straight into
+    their shards; the optimizer starts fresh either way."""
+    if recipe.model.hf_dir is None:
+        return trainable.init()
+    from .hf_checkpoint import load_params
+
+    params = load_params(recipe.model, trainable.state_shardings.params,
+                         trainable.abstract_state.params)
+    return trainable.start_from(params)
 
 
 def _memory_kinds(mesh: Mesh) -> set[str]:

@@ -1,0 +1,39 @@
+"""What every `lctrain` command shares: the Typer app, the consoles, one-line failures and
+the fake-device switch. Imports neither jax nor the trainer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Long-context language-model training with context parallelism.")
+console = Console()
+error_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr; exit 2 for bad input (nothing was compiled), 1 for a failed run."""
+    # Escaped: keys, paths and extras (".[tpu]") contain square brackets, rich's markup.
+    error_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False,
+                        soft_wrap=True)
+    raise typer.Exit(code=code)
+
+
+def use_fake_cpu_devices(count: int) -> None:
+    """Fake devices are CPU devices: pin the platform too, so an installed libtpu (used for
+    ahead-of-time TPU compiles) does not go looking for a TPU first."""
+    if count > 0:
+        flag = f"--xla_force_host_platform_device_count={count}"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def default_run_dir(recipe_path: Optional[str]) -> Path:
+    name = Path(recipe_path).stem if recipe_path else "tiny"
+    return Path("runs") / name

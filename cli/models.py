@@ -1,0 +1,79 @@
+"""`lctrain export` and `lctrain eval`: a trained model out to Hugging Face, and its loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from lctrain.recipes import RecipeError, load_recipe, load_run_recipe
+from lctrain.trainer.data import DataError
+
+from .common import app, console, default_run_dir, fail, use_fake_cpu_devices
+
+DTYPES = ("bfloat16", "float32")
+
+
+@app.command()
+def export(
+    run_dir: Path = typer.Argument(..., help="The run dir `lctrain run` trained into."),
+    out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face model into."),
+    step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the latest)."),
+    dtype: str = typer.Option("bfloat16", help="Weights' dtype on disk: bfloat16 or float32."),
+) -> None:
+    """Write a run's checkpoint as a Hugging Face model folder (config.json with the run's
+    RoPE, sharded safetensors, the tokenizer files)."""
+    if dtype not in DTYPES:
+        fail(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    try:
+        recipe = load_run_recipe(run_dir)
+    except RecipeError as err:
+        fail(str(err))
+    use_fake_cpu_devices(recipe.runtime.cpu_devices)
+    from lctrain.trainer.hf_export import export_run
+
+    try:
+        files, origin = export_run(recipe, run_dir, out_dir, step, dtype)
+    except (RecipeError, DataError) as err:
+        fail(str(err))
+    console.print(f"exported {origin} to {out_dir}: {', '.join(files)}", soft_wrap=True,
+                  markup=False)
+
+
+@app.command(name="eval")
+def eval_(
+    recipe: Optional[str] = typer.Argument(
+        None, help="Recipe YAML file or built-in name (default: the run dir's recipe, else "
+                   "the built-in 'tiny')."),
+    run_dir: Optional[Path] = typer.Option(
+        None, help="Run dir whose checkpoint to evaluate (default: runs/<recipe name>); "
+                   "without a checkpoint there, model.init's weights."),
+    step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the latest)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a recipe key: section.key=value."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Mean next-token loss of a model on eval.source (default data.source), forward only,
+    on the recipe's mesh and strategy."""
+    run_dir = run_dir or default_run_dir(recipe)
+    try:
+        if recipe is None and (run_dir / "recipe.yaml").is_file():
+            loaded = load_run_recipe(run_dir, set_)
+        else:
+            loaded = load_recipe(recipe, set_)
+    except RecipeError as err:
+        fail(str(err))
+    use_fake_cpu_devices(loaded.runtime.cpu_devices)
+    from lctrain.trainer.evaluate import evaluate_loss
+
+    try:
+        result = evaluate_loss(loaded, run_dir, step, console)
+    except (RecipeError, DataError) as err:
+        fail(str(err))
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    console.print(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
+                  f"{result['tokens']:,} tokens in {result['batches']} batches | "
+                  f"weights {result['weights']}", soft_wrap=True, markup=False)

@@ -1,0 +1,60 @@
+"""Makes a small randomly initialised Hugging Face model folder with transformers itself
+(config.json + safetensors), the reference the import, export and workflow tests use.
+Nothing is downloaded.
+
+    python tests/make_hf_model.py OUT_DIR [--family llama|mistral|qwen2] [--vocab N] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+
+
+def make_hf_model(folder: str | Path, family: str = "llama", *, layers: int = 2,
+                  hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 160,
+                  vocab: int = 256, head_dim: int | None = None, rope_theta: float = 10_000.0,
+                  rope_scaling: dict | None = None, tie: bool = False,
+                  max_positions: int = 2048, dtype: str = "float32", seed: int = 0,
+                  init_range: float = 0.1):
+    """Saves the model into `folder` and returns it (PyTorch, float32, eval mode)."""
+    import torch
+    import transformers
+
+    config_class, model_class = (getattr(transformers, name) for name in CLASSES[family])
+    extra = {"head_dim": head_dim} if head_dim else {}
+    config = config_class(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
+        max_position_embeddings=max_positions, tie_word_embeddings=tie,
+        initializer_range=init_range, rope_theta=rope_theta, rope_scaling=rope_scaling,
+        **extra)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():  # nonzero norm scales and biases, so the test sees them
+        for name, parameter in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "bias")):
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    model.to(getattr(torch, dtype)).save_pretrained(folder)
+    return model.float()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--family", choices=sorted(CLASSES), default="llama")
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--max-positions", type=int, default=256)
+    args = parser.parse_args()
+    make_hf_model(args.out, args.family, vocab=args.vocab, layers=args.layers,
+                  max_positions=args.max_positions)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""A trained run written out as a Hugging Face model folder: config.json with the RoPE
+the run trained with, sharded safetensors, and the run's tokenizer files.
+
+One tensor (one layer's matrix) is gathered to the host at a time, so no process ever
+holds the whole model; every process takes part in each gather and process 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.experimental import multihost_utils
+
+from lctrain.recipes.schema import Recipe
+
+from .hf_checkpoint import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
+from .hf_config import config_json
+from .safetensors_io import write_folder
+from .loop import mesh_for
+from .step import build_trainable
+from .tokenizer import DocumentTokenizer, read_sidecar
+from .weights import load_weights
+
+DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def export_run(recipe: Recipe, run_dir: Path, out_dir: Path, step: int | None = None,
+               dtype: str = "bfloat16") -> tuple[list[str], str]:
+    """A run's checkpoint (the latest, or `step`) as a Hugging Face folder; returns the
+    files written and which checkpoint it was."""
+    mesh = mesh_for(recipe)
+    params, origin = load_weights(recipe, build_trainable(recipe, mesh), run_dir, step)
+    return export_hf(recipe, params, out_dir, dtype), origin
+
+
+def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat16",
+              max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Writes the folder; returns the names of the files written."""
+    is_main = jax.process_index() == 0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layers = recipe.model.layers
+    located: dict[str, tuple[HFTensor, int | None]] = {}
+    shapes = []
+    for tensor in hf_tensors(params):
+        leaf = leaf_at(params, tensor.path)
+        for layer in (range(layers) if tensor.stacked else [None]):
+            located[tensor.name(layer)] = (tensor, layer)
+            shapes.append((tensor.name(layer),
+                           hf_shape(tensor.layout, leaf.shape[1:] if tensor.stacked
+                                    else leaf.shape)))
+
+    def values(name: str) -> np.ndarray:
+        tensor, layer = located[name]
+        leaf = leaf_at(params, tensor.path)
+        return to_hf(tensor.layout, _on_host(leaf if layer is None else leaf[layer]))
+
+    write_folder(out_dir, shapes, DTYPES[dtype], values, max_shard_bytes, write=is_main)
+    if is_main:
+        tokenizer = run_tokenizer(recipe)
+        special = {}
+        if tokenizer:
+            special = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id}
+            _copy_tokenizer_files(tokenizer, out_dir)
+        config = config_json(recipe.model, recipe.data.seq_len, dtype, special)
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return sorted(path.name for path in out_dir.iterdir())
+
+
+def run_tokenizer(recipe: Recipe) -> DocumentTokenizer | None:
+    """The tokenizer the run's data was made with: data.tokenizer, else the token file's
+    sidecar's; None for synthetic data and the byte tokenizer."""
+    path = recipe.data.tokenizer
+    if path is None and Path(recipe.data.source).suffix in (".bin", ".npy"):
+        path = (read_sidecar(recipe.data.source) or {}).get("tokenizer")
+    return DocumentTokenizer.load(path) if path else None
+
+
+def _copy_tokenizer_files(tokenizer: DocumentTokenizer, out_dir: Path) -> None:
+    source = Path(tokenizer.path)
+    folder = source if source.is_dir() else source.parent
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out_dir / name)
+
+
+def _on_host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host: a device_get where this process holds every shard,
+    else a gather over processes (every process must call it, in the same order)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

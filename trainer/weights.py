@@ -1,0 +1,43 @@
+"""Where a forward-only command (export, eval) takes its weights from: a run dir's
+checkpoint (the latest, or a given step), else the recipe's model.init. Only the
+parameters are read, never the optimizer state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lctrain.recipes.schema import Recipe, RecipeError
+
+from .checkpoint import Checkpointer
+from .step import Trainable
+
+
+def load_weights(recipe: Recipe, trainable: Trainable, run_dir: Path | None,
+                 step: int | None = None) -> tuple[dict, str]:
+    """(parameters in the trainable's shardings, where they came from)."""
+    abstract = trainable.abstract_state.params
+    checkpoints = Path(run_dir) / "checkpoints" if run_dir else None
+    if checkpoints and checkpoints.is_dir():
+        checkpointer = Checkpointer(checkpoints, recipe.checkpoint)
+        try:
+            saved = checkpointer.manager.all_steps()
+            if saved:
+                chosen = max(saved) if step is None else step
+                if chosen not in saved:
+                    raise RecipeError(f"--step {step}: {checkpoints} has no such checkpoint; "
+                                      f"saved steps: {', '.join(map(str, sorted(saved)))}")
+                params = checkpointer.restore_params(abstract, chosen)
+                return params, f"{run_dir} step {chosen}"
+        finally:
+            checkpointer.close()
+    if step is not None:
+        raise RecipeError(f"--step {step}: {run_dir} has no checkpoints; train it first "
+                          f"(lctrain run) or drop --step")
+    if recipe.model.hf_dir is None:
+        raise RecipeError(f"no weights: {run_dir} has no checkpoint and model.init is "
+                          f"'random'; train first (lctrain run), give --run-dir, or set "
+                          f"model.init=hf:<dir>")
+    from .hf_checkpoint import load_params
+
+    return (load_params(recipe.model, trainable.state_shardings.params, abstract),
+            recipe.model.init)
