@@ -17,6 +17,27 @@ console = Console()
 error_console = Console(stderr=True)
 
 
+# Options several commands share.
+SETS = typer.Option([], "--set", help="Override a recipe key: section.key=value.")
+COORDINATOR = typer.Option(
+    None, envvar="LCTRAIN_COORDINATOR",
+    help="host:port of process 0 for a multi-process run (TPU pods find it themselves).")
+NUM_PROCESSES = typer.Option(None, envvar="LCTRAIN_NUM_PROCESSES",
+                             help="Processes in a multi-process run.")
+PROCESS_ID = typer.Option(None, envvar="LCTRAIN_PROCESS_ID",
+                          help="This process's index, 0-based.")
+
+
+def start(cpu_devices: int, coordinator: Optional[str], num_processes: Optional[int],
+          process_id: Optional[int]) -> None:
+    """Sets up the devices (fake CPU ones if asked) and joins a multi-process run; the
+    first thing a command does after reading its recipe, since it starts jax."""
+    use_fake_cpu_devices(cpu_devices)
+    from lctrain.trainer.distributed import initialize
+
+    initialize(coordinator, num_processes, process_id)
+
+
 def fail(message: str, code: int = 2) -> None:
     """One line on stderr; exit 2 for bad input (nothing was compiled), 1 for a failed run."""
     # Escaped: keys, paths and extras (".[tpu]") contain square brackets, rich's markup.

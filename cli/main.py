@@ -16,7 +16,8 @@ from rich.console import Console
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.trainer.data import DataError  # numpy only: safe before jax is configured
 
-from .common import app, console, default_run_dir, error_console, fail, use_fake_cpu_devices
+from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, console,
+                     default_run_dir, error_console, fail, start)
 from . import models, tokenize  # noqa: F401  registers their commands
 
 
@@ -29,18 +30,14 @@ def main() -> None:
 def run(
     recipe: Optional[str] = typer.Argument(
         None, help="Recipe YAML file or built-in recipe name (default: the built-in 'tiny')."),
-    set_: list[str] = typer.Option([], "--set", help="Override a recipe key: section.key=value."),
+    set_: list[str] = SETS,
     steps: Optional[int] = typer.Option(None, help="Shorthand for --set train.steps=N."),
     run_dir: Optional[Path] = typer.Option(
         None, help="Checkpoints, metrics and TensorBoard events (default: runs/<recipe name>). "
                    "A run dir with checkpoints is resumed."),
-    coordinator: Optional[str] = typer.Option(
-        None, envvar="LCTRAIN_COORDINATOR",
-        help="host:port of process 0 for a multi-process run (TPU pods find it themselves)."),
-    num_processes: Optional[int] = typer.Option(None, envvar="LCTRAIN_NUM_PROCESSES",
-                                                help="Processes in a multi-process run."),
-    process_id: Optional[int] = typer.Option(None, envvar="LCTRAIN_PROCESS_ID",
-                                             help="This process's index, 0-based."),
+    coordinator: Optional[str] = COORDINATOR,
+    num_processes: Optional[int] = NUM_PROCESSES,
+    process_id: Optional[int] = PROCESS_ID,
 ) -> None:
     """Train a model from a recipe, resuming from the run dir's latest checkpoint."""
     overrides = list(set_) + ([f"train.steps={steps}"] if steps is not None else [])
@@ -48,18 +45,15 @@ def run(
         loaded = load_recipe(recipe, overrides)
     except RecipeError as err:
         fail(str(err))
-    use_fake_cpu_devices(loaded.runtime.cpu_devices)
-    from lctrain.trainer.distributed import initialize
+    start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
     from lctrain.trainer.loop import NonFiniteLoss, train
 
-    initialize(coordinator, num_processes, process_id)
     try:
         train(loaded, run_dir or default_run_dir(recipe), console)
     except (RecipeError, DataError) as err:
         fail(str(err))
     except NonFiniteLoss as err:
         fail(str(err), code=1)
-
 
 
 @app.command()
@@ -69,7 +63,7 @@ def plan(
     topology: str = typer.Option(
         ..., help="Chips and their shape, e.g. v5p:4x4x4 or tpu7x:2x2x1 (the mesh's -1 axis "
                   "fills the chip count)."),
-    set_: list[str] = typer.Option([], "--set", help="Override a recipe key: section.key=value."),
+    set_: list[str] = SETS,
     compile_: bool = typer.Option(
         False, "--compile", help="Also compile every strategy for the topology (libtpu, no TPU "
                                  "needed) and show XLA's per-device figures beside the estimate."),
@@ -122,7 +116,7 @@ def plan(
         return
     # Rich would fold the table to 80 columns in a pipe or a file; it is meant to be read whole.
     wide = console if console.is_terminal else Console(width=160)
-    planner.render(result, wide, title=f"{loaded.model.preset}, seq {loaded.data.seq_len:,}, "
+    planner.render(result, wide, title=f"{loaded.model.name}, seq {loaded.data.seq_len:,}, "
                                           f"batch {loaded.data.batch_size}, {topology}, "
                                           f"mesh {sizes}, remat {loaded.remat.policy}")
     if max_seq:

@@ -11,7 +11,8 @@ import typer
 from lctrain.recipes import RecipeError, load_recipe, load_run_recipe
 from lctrain.trainer.data import DataError
 
-from .common import app, console, default_run_dir, fail, use_fake_cpu_devices
+from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, console,
+                     default_run_dir, fail, start)
 
 DTYPES = ("bfloat16", "float32")
 
@@ -22,24 +23,31 @@ def export(
     out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face model into."),
     step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the latest)."),
     dtype: str = typer.Option("bfloat16", help="Weights' dtype on disk: bfloat16 or float32."),
+    set_: list[str] = SETS,
+    coordinator: Optional[str] = COORDINATOR,
+    num_processes: Optional[int] = NUM_PROCESSES,
+    process_id: Optional[int] = PROCESS_ID,
 ) -> None:
     """Write a run's checkpoint as a Hugging Face model folder (config.json with the run's
     RoPE, sharded safetensors, the tokenizer files)."""
     if dtype not in DTYPES:
         fail(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     try:
-        recipe = load_run_recipe(run_dir)
+        recipe = load_run_recipe(run_dir, set_)
     except RecipeError as err:
         fail(str(err))
-    use_fake_cpu_devices(recipe.runtime.cpu_devices)
+    start(recipe.runtime.cpu_devices, coordinator, num_processes, process_id)
+    import jax
+
     from lctrain.trainer.hf_export import export_run
 
     try:
         files, origin = export_run(recipe, run_dir, out_dir, step, dtype)
     except (RecipeError, DataError) as err:
         fail(str(err))
-    console.print(f"exported {origin} to {out_dir}: {', '.join(files)}", soft_wrap=True,
-                  markup=False)
+    if jax.process_index() == 0:
+        console.print(f"exported {origin} to {out_dir}: {', '.join(files)}", soft_wrap=True,
+                      markup=False)
 
 
 @app.command(name="eval")
@@ -51,8 +59,11 @@ def eval_(
         None, help="Run dir whose checkpoint to evaluate (default: runs/<recipe name>); "
                    "without a checkpoint there, model.init's weights."),
     step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the latest)."),
-    set_: list[str] = typer.Option([], "--set", help="Override a recipe key: section.key=value."),
+    set_: list[str] = SETS,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    coordinator: Optional[str] = COORDINATOR,
+    num_processes: Optional[int] = NUM_PROCESSES,
+    process_id: Optional[int] = PROCESS_ID,
 ) -> None:
     """Mean next-token loss of a model on eval.source (default data.source), forward only,
     on the recipe's mesh and strategy."""
@@ -64,13 +75,17 @@ def eval_(
             loaded = load_recipe(recipe, set_)
     except RecipeError as err:
         fail(str(err))
-    use_fake_cpu_devices(loaded.runtime.cpu_devices)
+    start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
     from lctrain.trainer.evaluate import evaluate_loss
 
     try:
         result = evaluate_loss(loaded, run_dir, step, console)
     except (RecipeError, DataError) as err:
         fail(str(err))
+    import jax
+
+    if jax.process_index() != 0:
+        return
     if as_json:
         typer.echo(json.dumps(result))
         return

@@ -220,8 +220,7 @@ def validate(recipe: Recipe) -> None:
     _validate_source(recipe)
     _require(t.steps > 0, "train.steps", t.steps, "must be positive")
     _require(t.lr > 0, "train.lr", t.lr, "must be positive")
-    _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", t.warmup_steps,
-             f"must be in [0, train.steps={t.steps})")
+    _require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
     _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
     _require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
     _require(t.grad_accum_steps > 0, "train.grad_accum_steps", t.grad_accum_steps,

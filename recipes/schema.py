@@ -109,6 +109,11 @@ class ModelConfig:
     norm_eps: float | None = option(None, "RMSNorm epsilon.")
 
     @property
+    def name(self) -> str:
+        """What the model is, for logs: its preset, or the folder it was imported from."""
+        return self.init if self.hf_dir else self.preset
+
+    @property
     def hf_dir(self) -> str | None:
         """The Hugging Face folder of model.init=hf:<dir>, else None."""
         return self.init.removeprefix("hf:") if self.init.startswith("hf:") else None
@@ -141,7 +146,9 @@ class DataConfig:
 class TrainConfig:
     steps: int = option(300, "Optimizer steps in total (a resumed run continues to this count).")
     lr: float = option(3e-3, "Peak learning rate of AdamW.")
-    warmup_steps: int = option(20, "Linear warmup steps, then cosine decay to lr * min_lr_ratio.")
+    warmup_steps: int = option(
+        20, "Linear warmup steps, then cosine decay to lr * min_lr_ratio; a run shorter than "
+            "this warms up over steps - 1 (and says so).")
     min_lr_ratio: float = option(0.1, "Final learning rate as a fraction of lr.")
     weight_decay: float = option(0.1, "AdamW weight decay.")
     grad_clip: float = option(1.0, "Clip the global gradient norm to this value; 0 turns it off.")
@@ -151,6 +158,13 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = option(
         "stop", "A non-finite loss or gradient: stop before anything is saved (naming the "
                 "step), or skip that step's update and go on.")
+
+
+    @property
+    def run_warmup_steps(self) -> int:
+        """The warmup this run gets: warmup_steps, clamped so a short try run still ends
+        at the peak learning rate."""
+        return min(self.warmup_steps, self.steps - 1)
 
 
 @dataclass

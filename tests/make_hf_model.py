@@ -10,6 +10,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# config.json of meta-llama/Llama-3.1-8B as the hub serves it (rope_theta + rope_scaling).
+LLAMA31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
            "mistral": ("MistralConfig", "MistralForCausalLM"),
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
@@ -31,7 +43,8 @@ def make_hf_model(folder: str | Path, family: str = "llama", *, layers: int = 2,
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
         max_position_embeddings=max_positions, tie_word_embeddings=tie,
-        initializer_range=init_range, rope_theta=rope_theta, rope_scaling=rope_scaling,
+        initializer_range=init_range,
+        rope_parameters={"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta},
         **extra)
     torch.manual_seed(seed)
     model = model_class(config).eval()

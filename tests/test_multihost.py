@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 
+from lctrain.trainer.safetensors_io import SafetensorsFolder
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -35,11 +37,12 @@ def losses(run_dir):
 ENV = {**os.environ, "XLA_FLAGS": ""}
 
 
-def two_processes(run_dir, steps):
+def two_processes(run_dir, steps, command=None):
+    """`command` (default: lctrain(run_dir, steps=steps)) in two processes of 4 devices."""
     coordinator = f"127.0.0.1:{free_port()}"
+    command = command or lctrain(run_dir, "--set", "runtime.cpu_devices=4", steps=steps)
     processes = [subprocess.Popen(
-        lctrain(run_dir, "--set", "runtime.cpu_devices=4", "--coordinator", coordinator,
-                "--num-processes", "2", "--process-id", str(i), steps=steps),
+        [*command, "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in processes]
@@ -61,3 +64,19 @@ def test_two_processes_match_one_and_resume_across_processes(tmp_path):
     assert "resumed from checkpoint at step 4" in outputs[0]
     np.testing.assert_allclose(losses(multi), losses(single), rtol=1e-5)
     assert len(losses(multi)) == 6
+
+    # Export gathers one tensor at a time across the processes; process 0 writes the same
+    # files one process writes.
+    exported = {}
+    for name, processes in (("one", 1), ("two", 2)):
+        command = [sys.executable, "-m", "lctrain.cli.main", "export", str(multi),
+                   str(tmp_path / name), "--dtype", "float32"]
+        if processes == 1:
+            subprocess.run([*command, "--set", "runtime.cpu_devices=8"], check=True, env=ENV,
+                           capture_output=True, timeout=300)
+        else:
+            two_processes(multi, 6, command)
+        exported[name] = SafetensorsFolder(tmp_path / name)
+    assert set(exported["one"].entries) == set(exported["two"].entries)
+    for tensor in exported["one"].entries:
+        np.testing.assert_array_equal(exported["two"].read(tensor), exported["one"].read(tensor))

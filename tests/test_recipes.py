@@ -1,5 +1,7 @@
 """Recipe loading: types, overrides, presets and every error a user can make."""
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,8 @@ from typer.testing import CliRunner
 
 from lctrain.cli.main import app
 from lctrain.recipes import RecipeError, check_against_devices, load_recipe
+
+from make_hf_model import LLAMA31_8B_CONFIG
 
 
 def write(tmp_path, text):
@@ -28,6 +32,14 @@ def test_preset_values_are_overridden_field_by_field():
     assert recipe.model.layers == 4
     assert recipe.model.d_model == 4096 and recipe.model.n_kv_heads == 8
     assert recipe.model.vocab == 128256 and recipe.model.rope_scaling.factor == 8.0
+
+
+def test_warmup_longer_than_the_run_is_clamped():
+    from lctrain.trainer.optimizer import learning_rate_schedule
+
+    train = load_recipe(None, ["train.steps=3", "train.warmup_steps=20"]).train
+    assert train.run_warmup_steps == 2
+    assert float(learning_rate_schedule(train)(2)) == pytest.approx(train.lr)
 
 
 def test_overrides_convert_types():
@@ -51,7 +63,7 @@ def test_overrides_convert_types():
     (["remat.policy=custom", "remat.tensors.attn=offload"], "remat.tensors.attn",
      "unknown tensor name"),
     (["data.source=/no/such/file.bin"], "data.source", "no such file"),
-    (["train.warmup_steps=1000"], "train.warmup_steps", "must be in"),
+    (["train.warmup_steps=-1"], "train.warmup_steps", "must be >= 0"),
 ])
 def test_bad_values_name_the_key_and_the_fix(overrides, key, words):
     with pytest.raises(RecipeError) as err:
@@ -117,8 +129,29 @@ def test_readme_recipe_reference_is_current():
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")),
                          ids=lambda p: p.name)
-def test_shipped_recipes_load_with_every_value_they_set(path):
-    recipe = load_recipe(str(path))
-    for section, values in yaml.safe_load(path.read_text()).items():
+def test_shipped_recipes_load_with_every_value_they_set(path, tmp_path):
+    # A recipe that imports a model gets Llama 3.1 8B's config.json (no weights are read)
+    # and synthetic data in place of the folders it names.
+    stand_ins = {"model": {"init": f"hf:{tmp_path}"}, "data": {"source": "synthetic"}}
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG))
+    written = yaml.safe_load(path.read_text())
+    imports = written["model"].get("init", "random").startswith("hf:")
+    recipe = load_recipe(str(path), ["model.init=hf:" + str(tmp_path), "data.source=synthetic"]
+                         if imports else [])
+    for section, values in written.items():
         for key, value in values.items():
+            if imports and key in stand_ins.get(section, {}):
+                continue
+            if isinstance(value, dict) and key == "rope_scaling":
+                assert all(getattr(recipe.model.rope_scaling, k) == v for k, v in value.items())
+                continue
             assert getattr(getattr(recipe, section), key) == value, f"{section}.{key}"
+
+
+def test_llama31_8b_preset_equals_the_hub_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG))
+    imported = load_recipe(None, [f"model.init=hf:{tmp_path}"]).model
+    preset = load_recipe(None, ["model.preset=llama3.1-8b"]).model
+    differing = [f.name for f in dataclasses.fields(preset)
+                 if getattr(preset, f.name) != getattr(imported, f.name)]
+    assert differing == ["init", "preset"]

@@ -39,10 +39,6 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None) -> Me
     return build_mesh(sizes, recipe.parallel.ulysses, devices)
 
 
-def model_name(recipe: Recipe) -> str:
-    return recipe.model.init if recipe.model.hf_dir else recipe.model.preset
-
-
 def device_memory_bytes(devices) -> int:
     """Memory of one device: the chip's HBM (from the chip table, or the allocator's limit),
     else a share of this host's RAM (CPU devices)."""
@@ -99,10 +95,14 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     order = strategy.sequence_order(recipe.data.seq_len)
     train_step = make_train_step(recipe, trainable, strategy, mesh)
     writer = MetricsWriter(run_dir, is_main, console)
-    console.print(f"model {model_name(recipe)}: {count_parameters(recipe.model):,} parameters | "
+    console.print(f"model {recipe.model.name}: {count_parameters(recipe.model):,} parameters | "
                   f"mesh {dict(mesh.shape)} | strategy {strategy.name} | "
                   f"attention {recipe.attention.impl} | remat {recipe.remat.policy} | "
                   f"run dir {run_dir}", soft_wrap=True)
+    if recipe.train.run_warmup_steps < recipe.train.warmup_steps:
+        console.print(f"note: train.warmup_steps {recipe.train.warmup_steps} is not shorter "
+                      f"than train.steps {recipe.train.steps}: warming up over "
+                      f"{recipe.train.run_warmup_steps} steps")
     try:
         records = _run_steps(recipe, state, next_batch, source, order, mesh, train_step,
                              checkpointer, writer)

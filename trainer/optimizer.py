@@ -9,7 +9,7 @@ from lctrain.recipes.schema import TrainConfig
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.run_warmup_steps,
         decay_steps=cfg.steps, end_value=cfg.lr * cfg.min_lr_ratio)
 
 
