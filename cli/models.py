@@ -1,4 +1,5 @@
-"""`lctrain export` and `lctrain eval`: a trained model out to Hugging Face, and its loss."""
+"""`lctrain export` and `lctrain eval`: a trained model out to Hugging Face, and how well it
+predicts each position."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lctrain.trainer.data import DataError
 
 from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, console,
                      default_run_dir, fail, start)
+from .eval_report import render_table, write_outputs
 
 DTYPES = ("bfloat16", "float32")
 
@@ -61,12 +63,14 @@ def eval_(
     step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the latest)."),
     set_: list[str] = SETS,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    out: Optional[Path] = typer.Option(
+        None, help="Folder for eval.json and loss_by_position.png (default: <run dir>/eval)."),
     coordinator: Optional[str] = COORDINATOR,
     num_processes: Optional[int] = NUM_PROCESSES,
     process_id: Optional[int] = PROCESS_ID,
 ) -> None:
-    """Mean next-token loss of a model on eval.source (default data.source), forward only,
-    on the recipe's mesh and strategy."""
+    """Loss, perplexity and next-token accuracy of a model, overall and by position, on
+    eval.source (default data.source), forward only, on the recipe's mesh and strategy."""
     run_dir = run_dir or default_run_dir(recipe)
     try:
         if recipe is None and (run_dir / "recipe.yaml").is_file():
@@ -76,19 +80,19 @@ def eval_(
     except RecipeError as err:
         fail(str(err))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
-    from lctrain.trainer.evaluate import evaluate_loss
-
-    try:
-        result = evaluate_loss(loaded, run_dir, step, console)
-    except (RecipeError, DataError) as err:
-        fail(str(err))
     import jax
 
+    from lctrain.trainer.evaluate import evaluate
+
+    try:
+        result = evaluate(loaded, run_dir, step, console)
+    except (RecipeError, DataError) as err:
+        fail(str(err))
     if jax.process_index() != 0:
         return
+    written = write_outputs(result, out or run_dir / "eval")
     if as_json:
         typer.echo(json.dumps(result))
         return
-    console.print(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
-                  f"{result['tokens']:,} tokens in {result['batches']} batches | "
-                  f"weights {result['weights']}", soft_wrap=True, markup=False)
+    render_table(result, console)
+    console.print(f"wrote {', '.join(map(str, written))}", markup=False, soft_wrap=True)

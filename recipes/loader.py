@@ -237,6 +237,8 @@ def validate(recipe: Recipe) -> None:
     _require(chunk is None or chunk >= 0, "loss.chunk_tokens", chunk,
              "must be >= 0 (0 = unchunked) or null (chosen from data.seq_len)")
     _require(recipe.eval.batches > 0, "eval.batches", recipe.eval.batches, "must be positive")
+    _require(recipe.eval.seq_len is None or recipe.eval.seq_len > 1, "eval.seq_len",
+             recipe.eval.seq_len, "must be at least 2, or null (data.seq_len)")
     _require(recipe.checkpoint.every >= 0, "checkpoint.every", recipe.checkpoint.every,
              "must be >= 0 (0 = only at the end)")
     _require(recipe.checkpoint.keep >= 1, "checkpoint.keep", recipe.checkpoint.keep,
@@ -377,9 +379,10 @@ def check_against_devices(recipe: Recipe, device_count: int) -> dict[str, int]:
                            f"train.grad_accum_steps = {batch_shards * t.grad_accum_steps}")
     context = sizes["context"]
     chunks = stored_chunks(recipe, context)
-    _require(d.seq_len % chunks == 0, "data.seq_len", d.seq_len,
-             f"must be divisible by {chunks} (mesh.context={context}"
-             + (", x2 for parallel.load_balance" if chunks != context else "") + ")")
+    for key, seq_len in (("data.seq_len", d.seq_len), ("eval.seq_len", recipe.eval.seq_len)):
+        _require(seq_len is None or seq_len % chunks == 0, key, seq_len,
+                 f"must be divisible by {chunks} (mesh.context={context}"
+                 + (", x2 for parallel.load_balance" if chunks != context else "") + ")")
     m = recipe.model
     _require(m.n_heads % sizes["tensor"] == 0 and m.n_kv_heads % sizes["tensor"] == 0,
              "mesh.tensor", sizes["tensor"],

@@ -235,6 +235,9 @@ class EvalConfig:
     source: str | None = option(
         None, "Data `lctrain eval` reads (any data.source kind); null takes data.source.")
     batches: int = option(4, "Batches of data.batch_size sequences `lctrain eval` averages over.")
+    seq_len: int | None = option(
+        None, "Tokens per evaluated sequence; null takes data.seq_len. It may exceed the "
+              "training length (the mesh must split it as it splits data.seq_len).")
 
 
 @dataclass

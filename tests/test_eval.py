@@ -24,6 +24,7 @@ def test_eval_loss_equals_transformers_on_the_same_batches(tmp_path):
             "eval.batches=3", "parallel.strategy=ring", "mesh.data=2", "mesh.context=4",
             "attention.block_kv=16"]
     result = CliRunner().invoke(app, ["eval", "--run-dir", str(tmp_path / "none"), "--json",
+                                      "--out", str(tmp_path / "out"),
                                       *[arg for s in sets for arg in ("--set", s)]])
     assert result.exit_code == 0, result.output
     ours = json.loads(result.output.strip().splitlines()[-1])
@@ -46,3 +47,76 @@ def test_eval_without_weights_says_where_to_get_them(tmp_path):
     result = CliRunner().invoke(app, ["eval", "--run-dir", str(tmp_path)])
     assert result.exit_code == 2
     assert "no weights" in result.output and "model.init=hf:<dir>" in result.output
+
+
+def test_position_edges_are_log_spaced_up_to_the_length():
+    from lctrain.trainer.evaluate import position_edges
+
+    assert position_edges(256).tolist() == [0, 1, 2, 3, 4, 6, 9, 13, 19, 28, 40, 58, 84, 122,
+                                            177, 256]
+    assert position_edges(8).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+
+
+# Per-token cross-entropy and argmax computed densely here, bucketed by hand, against the
+# device-side bucket sums, on one device and under every strategy (8 devices, loss in
+# chunks, packed documents).
+EVAL_CASES = [("none", {"data": 1}), ("all_gather", {"data": 1, "context": 8}),
+              ("ulysses", {"data": 2, "context": 4}), ("ring", {"data": 1, "context": 8}),
+              ("usp", {"data": 1, "context": 8, "ulysses": 2})]
+
+
+@pytest.mark.parametrize("strategy, mesh", EVAL_CASES)
+def test_bucket_sums_equal_a_hand_computation(strategy, mesh):
+    import jax
+    from flax import nnx
+    from types import SimpleNamespace
+
+    from lctrain.parallel import make_strategy
+    from lctrain.trainer.data import Batch
+    from lctrain.trainer.evaluate import make_bucket_sums, position_edges
+    from lctrain.trainer.loop import device_batch, mesh_for
+    from lctrain.trainer.model import Transformer
+    from lctrain.trainer.step import BATCH_FIELDS
+
+    from test_model import model_logits
+    from test_strategies import mixed_batch
+
+    ulysses = mesh.pop("ulysses", 1)
+    sets = [f"parallel.strategy={strategy}", "data.seq_len=64", "data.batch_size=4",
+            "model.n_heads=8", "model.n_kv_heads=2", "model.d_model=64", "attention.block_kv=8",
+            "loss.chunk_tokens=16", f"parallel.ulysses={ulysses}",
+            *[f"mesh.{axis}={size}" for axis, size in mesh.items()]]
+    recipe = load_recipe(None, sets)
+    devices = jax.devices()[:1] if strategy == "none" else jax.devices()
+    device_mesh = mesh_for(recipe, devices)
+    graphdef, state = nnx.split(Transformer(recipe.model, nnx.Rngs(3)))
+    params = nnx.to_pure_dict(state)
+    fixed = mixed_batch(recipe.model.vocab, 64)
+    source = SimpleNamespace(cfg=recipe.data, batch=lambda index, rows: Batch(
+        *(getattr(fixed, name)[rows] for name in BATCH_FIELDS)))
+    strategy_object = make_strategy(recipe, device_mesh)
+    batch = device_batch(source, 0, strategy_object.sequence_order(64), device_mesh)
+    edges = position_edges(64)
+    sums = jax.jit(make_bucket_sums(recipe, graphdef, strategy_object, edges))(params, batch)
+
+    logits = np.asarray(model_logits(params, graphdef, fixed.inputs, fixed.positions,
+                                     fixed.segment_ids), np.float64)
+    peak = logits.max(-1, keepdims=True)
+    log_partition = (np.log(np.exp(logits - peak).sum(-1, keepdims=True)) + peak)[..., 0]
+    target_logit = np.take_along_axis(logits, fixed.targets[..., None], -1)[..., 0]
+    losses, correct = log_partition - target_logit, logits.argmax(-1) == fixed.targets
+    bucket = np.searchsorted(edges, fixed.positions, side="right") - 1
+    counted = fixed.loss_mask > 0
+    for name, values in [("loss", losses), ("correct", correct),
+                         ("tokens", np.ones_like(losses))]:
+        expected = np.bincount(bucket[counted], values[counted], minlength=len(edges) - 1)
+        np.testing.assert_allclose(np.asarray(sums[name]), expected, rtol=1e-5, atol=1e-4,
+                                   err_msg=name)
+
+
+def test_eval_seq_len_the_mesh_cannot_split_is_named(tmp_path):
+    result = CliRunner().invoke(app, ["eval", "--run-dir", str(tmp_path), "--set",
+                                      "parallel.strategy=ring", "--set", "mesh.context=8",
+                                      "--set", "eval.seq_len=1000"])
+    assert result.exit_code == 2
+    assert "'eval.seq_len' = 1000: must be divisible by 16" in result.output

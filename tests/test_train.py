@@ -70,6 +70,18 @@ def test_default_recipe_learns_the_copy_task(tmp_path):
     assert [r["step"] for r in lines] == [50, 100, 150, 200, 250, 300]
     assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s"} <= set(lines[0])
 
+    # lctrain eval on the trained run: the copied half (positions 129-255 of each window of
+    # 257 tokens) is predicted, the random first half stays at chance (1/127).
+    from lctrain.trainer.evaluate import evaluate
+
+    result = evaluate(load_recipe(None), tmp_path)
+    buckets = result["by_position"]
+    for start, accuracy in zip(buckets["edges"], buckets["accuracy"]):
+        if start >= 177:
+            assert accuracy > 0.95, buckets
+        elif 4 <= start < 122:
+            assert accuracy < 0.05, buckets
+
 
 def lctrain(run_dir, *args):
     return [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(run_dir),

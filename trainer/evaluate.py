@@ -1,5 +1,11 @@
-"""`lctrain eval`: the model's mean next-token loss on eval.source, forward only, on the
-recipe's own mesh and context-parallel strategy (so it runs at any length it can train)."""
+"""`lctrain eval`: how well the model predicts each position of a long window, forward
+only, on the recipe's own mesh and context-parallel strategy (so it runs at any length it
+can train, and longer: eval.seq_len).
+
+Every counted token contributes its cross-entropy and whether its target was the argmax,
+summed on the device into log-spaced buckets of its position in its document (the RoPE
+position the prediction is made at), so only a few numbers per batch reach the host.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
@@ -16,35 +24,89 @@ from lctrain.recipes.schema import Recipe
 
 from .data import make_source
 from .loop import device_batch, mesh_for
-from .step import build_trainable, make_loss_sums
+from .loss import token_scores
+from .step import build_trainable, make_forward
 from .weights import load_weights
 
 # Evaluation batches are drawn with another seed than training's, so a synthetic task
 # evaluates on sequences it never trained on. (Token files: a held-out split is still to do.)
 EVAL_SEED_OFFSET = 1_000_003
+POSITION_BUCKETS = 16
 
 
-def evaluate_loss(recipe: Recipe, run_dir: Path | None, step: int | None = None,
-                  console: Console | None = None) -> dict:
-    """{loss, perplexity, tokens, batches, weights} over eval.batches batches."""
+def eval_recipe(recipe: Recipe) -> Recipe:
+    """The recipe as evaluation reads data: eval.source and eval.seq_len in place of data's."""
+    data = dataclasses.replace(recipe.data, source=recipe.eval.source or recipe.data.source,
+                               seq_len=recipe.eval.seq_len or recipe.data.seq_len)
+    return dataclasses.replace(recipe, data=data)
+
+
+def position_edges(seq_len: int, buckets: int = POSITION_BUCKETS) -> np.ndarray:
+    """Bucket edges 0 = e0 < e1 < ... < seq_len, log-spaced (position p is in bucket i when
+    e_i <= p < e_i+1): the first positions one per bucket, the long tail coarser."""
+    inner = np.round(np.geomspace(1, seq_len, buckets)).astype(np.int64)
+    return np.unique(np.concatenate([[0], inner, [seq_len]]))
+
+
+def make_bucket_sums(recipe: Recipe, graphdef, strategy, edges: np.ndarray):
+    """(params, batch) -> {loss, correct, tokens}, each summed per position bucket."""
+    forward = make_forward(recipe, graphdef, strategy)
+    edges = jnp.asarray(edges, jnp.int32)
+
+    def bucket_sums(params, batch):
+        model, hidden = forward(params, batch)
+        losses, correct = token_scores(hidden, model.output_weights(), batch["targets"],
+                                       recipe.loss, strategy.context)
+        mask = batch["loss_mask"].astype(jnp.float32)
+        bucket = (jnp.searchsorted(edges, batch["positions"], side="right") - 1).ravel()
+
+        def per_bucket(values):
+            return jax.ops.segment_sum((values * mask).ravel(), bucket,
+                                       num_segments=edges.shape[0] - 1)
+
+        return {"loss": per_bucket(losses), "correct": per_bucket(correct),
+                "tokens": per_bucket(jnp.ones_like(mask))}
+
+    return bucket_sums
+
+
+def evaluate(recipe: Recipe, run_dir: Path | None, step: int | None = None,
+             console: Console | None = None) -> dict:
+    """{loss, perplexity, accuracy, tokens, batches, seq_len, weights, by_position} over
+    eval.batches batches; by_position holds the bucket edges and per bucket the loss,
+    accuracy and token count."""
     console = console or Console(quiet=True)
-    mesh = mesh_for(recipe, console=console)
+    mesh = mesh_for(recipe, console=console)  # checks eval.seq_len against the mesh too
+    recipe = eval_recipe(recipe)
     trainable = build_trainable(recipe, mesh)
     params, origin = load_weights(recipe, trainable, run_dir, step)
     strategy = make_strategy(recipe, mesh)
-    data = dataclasses.replace(recipe.data, source=recipe.eval.source or recipe.data.source)
-    source = make_source(data, vocab=recipe.model.vocab,
+    source = make_source(recipe.data, vocab=recipe.model.vocab,
                          seed=recipe.train.seed + EVAL_SEED_OFFSET)
-    loss_sums = jax.jit(make_loss_sums(recipe, trainable.graphdef, strategy))
+    edges = position_edges(recipe.data.seq_len)
+    bucket_sums = jax.jit(make_bucket_sums(recipe, trainable.graphdef, strategy, edges))
     order = strategy.sequence_order(recipe.data.seq_len)
-    total = count = 0.0
+    totals = {name: np.zeros(len(edges) - 1) for name in ("loss", "correct", "tokens")}
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"eval ({origin})", total=recipe.eval.batches)
         for index in range(recipe.eval.batches):
-            batch_total, batch_count = loss_sums(params, device_batch(source, index, order,
-                                                                      mesh))
-            total, count = total + float(batch_total), count + float(batch_count)
+            sums = bucket_sums(params, device_batch(source, index, order, mesh))
+            for name, values in jax.device_get(sums).items():
+                totals[name] += values
             progress.advance(task)
-    loss = total / max(count, 1.0)
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(count),
-            "batches": recipe.eval.batches, "weights": origin}
+    return summary(totals, edges, recipe, origin)
+
+
+def summary(totals: dict[str, np.ndarray], edges: np.ndarray, recipe: Recipe,
+            origin: str) -> dict:
+    tokens = totals["tokens"]
+    count = max(float(tokens.sum()), 1.0)
+    loss = float(totals["loss"].sum()) / count
+    per_token = np.maximum(tokens, 1.0)
+    return {"loss": loss, "perplexity": math.exp(loss),
+            "accuracy": float(totals["correct"].sum()) / count, "tokens": int(tokens.sum()),
+            "batches": recipe.eval.batches, "seq_len": recipe.data.seq_len, "weights": origin,
+            "by_position": {"edges": edges.tolist(),
+                            "loss": (totals["loss"] / per_token).tolist(),
+                            "accuracy": (totals["correct"] / per_token).tolist(),
+                            "tokens": tokens.astype(int).tolist()}}

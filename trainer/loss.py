@@ -76,6 +76,29 @@ def _per_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.A
     return (log_partition - target_logit + z_loss * jnp.square(log_partition))[..., 0]
 
 
+def token_scores(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
+                 config: LossConfig | None = None, sequence_shards: int = 1
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Forward only: each token's cross-entropy (no z-loss) and whether its target is the
+    argmax, both [b, s] float32, the logits one chunk at a time as in next_token_loss."""
+    config = config or LossConfig()
+    output_weights = output_weights.astype(hidden.dtype)
+
+    def scores(chunk_hidden, chunk_targets):
+        logits, log_partition = _logits_and_log_partition(chunk_hidden, output_weights)
+        target_logit = jnp.take_along_axis(logits, chunk_targets[..., None], axis=-1)
+        correct = jnp.argmax(logits, axis=-1) == chunk_targets
+        return (log_partition - target_logit)[..., 0], correct.astype(jnp.float32)
+
+    chunk_tokens = resolve_chunk_tokens(config.chunk_tokens, hidden.shape[1])
+    if chunk_tokens == hidden.shape[1]:
+        return scores(hidden, targets)
+    chunks = TokenChunks(targets.shape[1], chunk_tokens, sequence_shards)
+    losses, correct = jax.lax.map(lambda chunk: scores(*chunk),
+                                  (chunks.split(hidden), chunks.split(targets)))
+    return chunks.merge(losses), chunks.merge(correct)
+
+
 def _chunked_per_token_loss(hidden, output_weights, targets, loss_mask, z_loss,
                             chunk_tokens: int, shards: int) -> tuple[jax.Array, jax.Array]:
     """Per-token losses and the mask, both [n_chunks, b, chunk_len], one chunk at a time

@@ -108,13 +108,12 @@ def batch_shardings(mesh: Mesh) -> dict[str, Any]:
     return {name: batch_sharding(mesh) for name in BATCH_FIELDS}
 
 
-def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
-                   strategy: ContextStrategy) -> Callable:
-    """(params, batch) -> (sum of token losses, counted tokens): the model and loss as the
-    train step differentiates them."""
+def make_forward(recipe: Recipe, graphdef: nnx.GraphDef,
+                 strategy: ContextStrategy) -> Callable:
+    """(params, batch) -> (model, final hidden states [b, s, d]) under the strategy."""
     policy = remat_policy(recipe.remat)
 
-    def loss_sums(params, batch):
+    def forward(params, batch):
         model = nnx.merge(graphdef, params)
         mlp_chunks = chunks_for(recipe.remat.mlp_chunk_tokens, batch["inputs"].shape[1],
                                 strategy.context)
@@ -122,6 +121,19 @@ def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
                        attend=strategy.attend, split_tokens=strategy.split_tokens,
                        remat_policy=policy, mlp_chunks=mlp_chunks,
                        gather_weight=strategy.gather_weight)
+        return model, hidden
+
+    return forward
+
+
+def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
+                   strategy: ContextStrategy) -> Callable:
+    """(params, batch) -> (sum of token losses, counted tokens): the model and loss as the
+    train step differentiates them."""
+    forward = make_forward(recipe, graphdef, strategy)
+
+    def loss_sums(params, batch):
+        model, hidden = forward(params, batch)
         return next_token_loss(hidden, model.output_weights(), batch["targets"],
                                batch["loss_mask"], recipe.train.z_loss, recipe.loss,
                                sequence_shards=strategy.context)
