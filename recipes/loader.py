@@ -239,6 +239,7 @@ def validate(recipe: Recipe) -> None:
     _require(recipe.eval.batches > 0, "eval.batches", recipe.eval.batches, "must be positive")
     _require(recipe.eval.seq_len is None or recipe.eval.seq_len > 1, "eval.seq_len",
              recipe.eval.seq_len, "must be at least 2, or null (data.seq_len)")
+    _validate_eval_split(recipe)
     _require(recipe.checkpoint.every >= 0, "checkpoint.every", recipe.checkpoint.every,
              "must be >= 0 (0 = only at the end)")
     _require(recipe.checkpoint.keep >= 1, "checkpoint.keep", recipe.checkpoint.keep,
@@ -247,6 +248,17 @@ def validate(recipe: Recipe) -> None:
              "must be >= 0 (0 = jax's default)")
     _require(recipe.runtime.log_every > 0, "runtime.log_every", recipe.runtime.log_every,
              "must be positive")
+
+
+def _validate_eval_split(recipe: Recipe) -> None:
+    e = recipe.eval
+    _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = no evaluation in training)")
+    _require(0 <= e.holdout <= 0.5, "eval.holdout", e.holdout,
+             "must be in [0, 0.5]: a share of data.source's windows, e.g. 0.01")
+    if e.every and e.source is None and recipe.data.source != "synthetic":
+        _require(e.holdout > 0, "eval.every", e.every,
+                 f"evaluating during training needs data it does not train on: set "
+                 f"eval.holdout (e.g. 0.01) or eval.source (data.source is {recipe.data.source})")
 
 
 def _validate_rope(m: ModelConfig) -> None:

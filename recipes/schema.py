@@ -238,6 +238,18 @@ class EvalConfig:
     seq_len: int | None = option(
         None, "Tokens per evaluated sequence; null takes data.seq_len. It may exceed the "
               "training length (the mesh must split it as it splits data.seq_len).")
+    every: int = option(
+        0, "Evaluate every N steps during training, on held-out data (eval.source, or the "
+           "eval.holdout share of data.source; synthetic data draws unseen sequences); 0 never.")
+    holdout: float = option(
+        0.0, "Share of data.source's windows kept out of training for evaluation: windows 0, "
+             "k, 2k, ... with k = round(1 / holdout). 0 holds none out (then evaluation reads "
+             "data.source in another order). Ignored when eval.source is set.")
+
+    @property
+    def data_holdout(self) -> float:
+        """The share of data.source held out: none when evaluation reads its own source."""
+        return self.holdout if self.source is None else 0.0
 
 
 @dataclass

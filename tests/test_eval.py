@@ -10,7 +10,6 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.recipes import load_recipe
 from lctrain.trainer.data import make_source
-from lctrain.trainer.evaluate import EVAL_SEED_OFFSET
 
 from make_hf_model import make_hf_model
 
@@ -30,7 +29,7 @@ def test_eval_loss_equals_transformers_on_the_same_batches(tmp_path):
     ours = json.loads(result.output.strip().splitlines()[-1])
 
     recipe = load_recipe(None, sets)
-    source = make_source(recipe.data, vocab=256, seed=recipe.train.seed + EVAL_SEED_OFFSET)
+    source = make_source(recipe.data, vocab=256, seed=recipe.train.seed, split="eval")
     losses = []
     for index in range(3):
         batch = source.batch(index)
@@ -120,3 +119,41 @@ def test_eval_seq_len_the_mesh_cannot_split_is_named(tmp_path):
                                       "--set", "eval.seq_len=1000"])
     assert result.exit_code == 2
     assert "'eval.seq_len' = 1000: must be divisible by 16" in result.output
+
+
+def test_evaluation_during_training_is_held_out_and_resumes_without_repeats(tmp_path):
+    """A token file with every 4th window held out: eval every 2 steps; a run to 4 steps
+    resumed to 6 evaluates at 2, 4 and 6 once each, and the evaluation at 6 equals
+    `lctrain eval` of the final checkpoint (same held-out batches, same weights)."""
+    from lctrain.trainer.evaluate import evaluate
+    from lctrain.trainer.loop import train
+
+    np.save(tmp_path / "tokens.npy",
+            np.random.default_rng(1).integers(0, 128, 64 * 40 + 1).astype(np.int32))
+    sets = [f"data.source={tmp_path / 'tokens.npy'}", "data.seq_len=64", "data.batch_size=8",
+            "eval.every=2", "eval.holdout=0.25", "eval.batches=2", "train.warmup_steps=1",
+            "runtime.log_every=1", "checkpoint.every=2"]
+    run_dir = tmp_path / "run"
+    train(load_recipe(None, [*sets, "train.steps=4"]), run_dir)
+    train(load_recipe(None, [*sets, "train.steps=6"]), run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if "eval/loss" in r]
+    assert [r["step"] for r in evaluations] == [2, 4, 6]
+    assert evaluations[-1]["eval/tokens"] == 2 * 8 * 64
+    final = evaluate(load_recipe(None, [*sets, "train.steps=6"]), run_dir)
+    assert final["weights"].endswith("step 6")
+    assert evaluations[-1]["eval/loss"] == pytest.approx(final["loss"], rel=1e-6)
+
+
+def test_held_out_windows_never_reach_training(tmp_path):
+    np.save(tmp_path / "tokens.npy", np.arange(16 * 20 + 1, dtype=np.int32) % 100)
+    recipe = load_recipe(None, [f"data.source={tmp_path / 'tokens.npy'}", "data.seq_len=16",
+                                "data.batch_size=4", "eval.holdout=0.2"])
+    first_token = lambda source, batches: {int(row[0]) for index in range(batches)
+                                           for row in source.batch(index).inputs}
+    train = make_source(recipe.data, vocab=128, seed=0, holdout=0.2)
+    held_out = make_source(recipe.data, vocab=128, seed=0, split="eval", holdout=0.2)
+    # 20 windows: 0, 5, 10, 15 held out (their first tokens 0, 80, 160 % 100, 240 % 100).
+    assert first_token(held_out, 1) == {0, 80, 60, 40}
+    seen = first_token(train, 8)  # two epochs of the 16 training windows
+    assert len(seen) == 16 and not seen & {0, 80, 60, 40}

@@ -37,6 +37,7 @@ from lctrain.recipes.schema import DataConfig
 from .tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
 
 BYTE_EOS = 256  # end-of-document id of the byte tokenizer: the first id after the 256 bytes
+EVAL_SEED_OFFSET = 1_000_003  # the seed of the "eval" split is train.seed + this
 
 
 class DataError(ValueError):
@@ -128,10 +129,14 @@ class WindowedStreamSource(DataSource):
     so that every token is a target exactly once per epoch. Sample k of the run
     (k = index * batch_size + row) is window order_e[k % n_windows] of epoch e = k // n_windows,
     where order_e is a permutation seeded by (seed, e).
+
+    With a holdout stride h, windows 0, h, 2h, ... are held out: training permutes the
+    others, and the "eval" split reads the held-out ones in file order.
     """
 
     def __init__(self, tokens: np.ndarray, *, name: str, eos_id: int | None,
-                 cfg: DataConfig, vocab: int, seed: int):
+                 cfg: DataConfig, vocab: int, seed: int, holdout_stride: int = 0,
+                 split: str = "train"):
         super().__init__(cfg, vocab=vocab, seed=seed)
         self.tokens = tokens  # 1-D, may be a memmap: only the windows read get loaded
         self.name = name      # for error messages
@@ -141,7 +146,15 @@ class WindowedStreamSource(DataSource):
             raise DataError(
                 f"{name}: has {len(tokens)} tokens, fewer than seq_len + 1 = {window} needed "
                 f"for one training window; use more data or a smaller data.seq_len")
-        self.n_windows = (len(tokens) - 1) // cfg.seq_len
+        windows = (len(tokens) - 1) // cfg.seq_len
+        self.stride = holdout_stride
+        held_out = -(-windows // holdout_stride) if holdout_stride else 0
+        self.held_out_split = split == "eval" and held_out > 0
+        self.n_windows = held_out if self.held_out_split else windows - held_out
+        if self.n_windows == 0:
+            raise DataError(f"{name}: its {windows} windows of {window} tokens leave none for "
+                            f"training once eval.holdout takes every {holdout_stride}th; use "
+                            f"more data, a smaller data.seq_len or a smaller eval.holdout")
         self._epoch_orders: dict[int, np.ndarray] = {}
 
     def _window(self, index: int, row: int) -> np.ndarray:
@@ -150,7 +163,11 @@ class WindowedStreamSource(DataSource):
 
     def _window_of_sample(self, sample: int) -> int:
         epoch, slot = divmod(sample, self.n_windows)
-        return int(self._epoch_order(epoch)[slot])
+        if self.held_out_split:
+            return slot * self.stride
+        kept = int(self._epoch_order(epoch)[slot])
+        # The kept-th window that is not a multiple of the stride.
+        return kept + kept // (self.stride - 1) + 1 if self.stride else kept
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         # A permutation of a big file costs real time and memory, so keep the last couple
@@ -223,8 +240,15 @@ def batch_from_windows(windows: np.ndarray, eos_id: int | None) -> Batch:
 # Opening sources (all file errors surface here, before training starts)
 # --------------------------------------------------------------------------------------
 
-def make_source(cfg: DataConfig, *, vocab: int, seed: int) -> DataSource:
-    """The source `cfg.source` names; raises DataError for data that cannot work."""
+def make_source(cfg: DataConfig, *, vocab: int, seed: int, split: str = "train",
+                holdout: float = 0.0) -> DataSource:
+    """The source `cfg.source` names; raises DataError for data that cannot work.
+
+    `holdout` (eval.holdout) keeps every round(1/holdout)-th window of a file out of the
+    "train" split; the "eval" split reads those. Without a holdout, and for synthetic data,
+    the "eval" split draws with another seed: other sequences, or another window order."""
+    if split == "eval" and not (holdout and cfg.source != "synthetic"):
+        seed += EVAL_SEED_OFFSET
     if cfg.source == "synthetic":
         if vocab < 2:
             raise DataError(f"synthetic: needs model.vocab >= 2 (ids 1..vocab-1), got {vocab}")
@@ -240,8 +264,9 @@ def make_source(cfg: DataConfig, *, vocab: int, seed: int) -> DataSource:
         tokens, eos_id = _open_token_file(path, cfg, vocab)
     else:
         tokens, eos_id = _open_text(path, cfg.tokenizer, vocab)
-    return WindowedStreamSource(tokens, name=str(path), eos_id=eos_id,
-                                cfg=cfg, vocab=vocab, seed=seed)
+    return WindowedStreamSource(tokens, name=str(path), eos_id=eos_id, cfg=cfg, vocab=vocab,
+                                seed=seed, holdout_stride=round(1 / holdout) if holdout else 0,
+                                split=split)
 
 
 def _open_token_file(path: Path, cfg: DataConfig, vocab: int) -> tuple[np.ndarray, int | None]:

@@ -28,9 +28,6 @@ from .loss import token_scores
 from .step import build_trainable, make_forward
 from .weights import load_weights
 
-# Evaluation batches are drawn with another seed than training's, so a synthetic task
-# evaluates on sequences it never trained on. (Token files: a held-out split is still to do.)
-EVAL_SEED_OFFSET = 1_000_003
 POSITION_BUCKETS = 16
 
 
@@ -70,31 +67,44 @@ def make_bucket_sums(recipe: Recipe, graphdef, strategy, edges: np.ndarray):
     return bucket_sums
 
 
+class Evaluator:
+    """Evaluation on the held-out batches (the same eval.batches each time), compiled once
+    for the mesh; called with the parameters, it returns what `summary` describes."""
+
+    def __init__(self, recipe: Recipe, mesh, graphdef):
+        self.recipe = eval_recipe(recipe)
+        data = self.recipe.data
+        self.mesh = mesh
+        # Its own strategy: eval.seq_len may cut the sequence into other chunks.
+        strategy = make_strategy(self.recipe, mesh)
+        self.source = make_source(data, vocab=self.recipe.model.vocab,
+                                  seed=self.recipe.train.seed, split="eval",
+                                  holdout=recipe.eval.data_holdout)
+        self.edges = position_edges(data.seq_len)
+        self.bucket_sums = jax.jit(make_bucket_sums(self.recipe, graphdef, strategy,
+                                                    self.edges))
+        self.order = strategy.sequence_order(data.seq_len)
+
+    def __call__(self, params, origin: str, console: Console | None = None) -> dict:
+        totals = {name: np.zeros(len(self.edges) - 1) for name in ("loss", "correct", "tokens")}
+        batches = self.recipe.eval.batches
+        with Progress(console=console or Console(quiet=True), transient=True) as progress:
+            task = progress.add_task(f"eval ({origin})", total=batches)
+            for index in range(batches):
+                batch = device_batch(self.source, index, self.order, self.mesh)
+                for name, values in jax.device_get(self.bucket_sums(params, batch)).items():
+                    totals[name] += values
+                progress.advance(task)
+        return summary(totals, self.edges, self.recipe, origin)
+
+
 def evaluate(recipe: Recipe, run_dir: Path | None, step: int | None = None,
              console: Console | None = None) -> dict:
-    """{loss, perplexity, accuracy, tokens, batches, seq_len, weights, by_position} over
-    eval.batches batches; by_position holds the bucket edges and per bucket the loss,
-    accuracy and token count."""
-    console = console or Console(quiet=True)
+    """`lctrain eval`: the run dir's checkpoint (or model.init's weights) evaluated."""
     mesh = mesh_for(recipe, console=console)  # checks eval.seq_len against the mesh too
-    recipe = eval_recipe(recipe)
     trainable = build_trainable(recipe, mesh)
     params, origin = load_weights(recipe, trainable, run_dir, step)
-    strategy = make_strategy(recipe, mesh)
-    source = make_source(recipe.data, vocab=recipe.model.vocab,
-                         seed=recipe.train.seed + EVAL_SEED_OFFSET)
-    edges = position_edges(recipe.data.seq_len)
-    bucket_sums = jax.jit(make_bucket_sums(recipe, trainable.graphdef, strategy, edges))
-    order = strategy.sequence_order(recipe.data.seq_len)
-    totals = {name: np.zeros(len(edges) - 1) for name in ("loss", "correct", "tokens")}
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"eval ({origin})", total=recipe.eval.batches)
-        for index in range(recipe.eval.batches):
-            sums = bucket_sums(params, device_batch(source, index, order, mesh))
-            for name, values in jax.device_get(sums).items():
-                totals[name] += values
-            progress.advance(task)
-    return summary(totals, edges, recipe, origin)
+    return Evaluator(recipe, mesh, trainable.graphdef)(params, origin, console)
 
 
 def summary(totals: dict[str, np.ndarray], edges: np.ndarray, recipe: Recipe,

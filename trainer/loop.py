@@ -84,9 +84,15 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     is_main = jax.process_index() == 0
     console = Console(quiet=True) if not is_main else console or Console()
     mesh = mesh_for(recipe, devices, console)
-    source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed)
+    source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed,
+                         holdout=recipe.eval.data_holdout)
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)
+    evaluator = None
+    if recipe.eval.every:
+        from .evaluate import Evaluator  # evaluate imports this module, hence here
+
+        evaluator = Evaluator(recipe, mesh, trainable.graphdef)
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
         (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
@@ -105,7 +111,7 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
                       f"{recipe.train.run_warmup_steps} steps")
     try:
         records = _run_steps(recipe, state, next_batch, source, order, mesh, train_step,
-                             checkpointer, writer)
+                             checkpointer, writer, evaluator)
     finally:
         checkpointer.close()
         writer.close()
@@ -176,7 +182,8 @@ class Throughput:
 
 
 def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order, mesh,
-               train_step, checkpointer: Checkpointer, writer: MetricsWriter) -> list[dict]:
+               train_step, checkpointer: Checkpointer, writer: MetricsWriter,
+               evaluator=None) -> list[dict]:
     total, console = recipe.train.steps, writer.console
     throughput = Throughput(recipe, mesh)
     records = []
@@ -199,6 +206,11 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
                 record.update(throughput.report())
                 writer.write(step, total, record)
                 records.append({"step": step, **record})
+            if evaluator and step % recipe.eval.every == 0:
+                # Before the checkpoint of this step: a run resumed from it never repeats
+                # this evaluation, and one killed before it redoes the steps and it alike.
+                writer.write_eval(step, evaluator(state.params, f"step {step}", console))
+                throughput.restart()
             stopping = stop.agreed()
             checkpointer.save(state, step, next_batch, force=step == total or stopping)
             if stopping:

@@ -53,6 +53,21 @@ class MetricsWriter:
             f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1e3:.1f} ms/step{mfu}",
             soft_wrap=True)
 
+    def write_eval(self, step: int, result: dict) -> None:
+        """One evaluation (trainer/evaluate.py's summary) as eval/* metrics."""
+        if not self.enabled:
+            return
+        record = {f"eval/{name}": float(result[name])
+                  for name in ("loss", "perplexity", "accuracy", "tokens")}
+        self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
+        self.jsonl.flush()
+        for name, value in record.items():
+            self.tensorboard.add_scalar(name, value, step)
+        self.console.print(f"eval at step {step} | loss {record['eval/loss']:.4f} | "
+                           f"perplexity {record['eval/perplexity']:.2f} | accuracy "
+                           f"{record['eval/accuracy']:.3f} | {int(record['eval/tokens']):,} "
+                           f"held-out tokens", soft_wrap=True)
+
     def close(self) -> None:
         if self.enabled:
             self.jsonl.close()
