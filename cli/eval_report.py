@@ -25,6 +25,21 @@ def render_table(result: dict, console: Console) -> None:
     table.add_row("all", f"{result['tokens']:,}", f"{result['loss']:.4f}",
                   f"{result['perplexity']:.2f}", f"{result['accuracy']:.3f}", style="bold")
     console.print(table)
+    if "retrieval" in result:
+        _render_retrieval(result["retrieval"], console)
+
+
+def _render_retrieval(retrieval: dict, console: Console) -> None:
+    table = Table(title=f"{retrieval['task']} retrieval: share of {retrieval['samples_per_cell']} "
+                        f"samples whose whole answer is the argmax, by haystack length (rows) "
+                        f"and needle depth (columns, %)", title_justify="left")
+    table.add_column("length", justify="right")
+    for depth in retrieval["depths"]:
+        table.add_column(f"{depth * 100:.0f}", justify="right")
+    for length, row in zip(retrieval["lengths"], retrieval["accuracy"]):
+        table.add_row(f"{length:,}", *(f"{value:.2f}" for value in row))
+    console.print(table)
+    console.print(f"{retrieval['task']} accuracy over the grid: {retrieval['mean']:.3f}")
 
 
 def write_outputs(result: dict, out_dir: Path) -> list[Path]:
@@ -33,14 +48,43 @@ def write_outputs(result: dict, out_dir: Path) -> list[Path]:
     json_path, plot_path = out_dir / "eval.json", out_dir / "loss_by_position.png"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     _plot_by_position(result, plot_path)
-    return [json_path, plot_path]
+    written = [json_path, plot_path]
+    if "retrieval" in result:
+        written.append(out_dir / f"{result['retrieval']['task']}_heatmap.png")
+        _plot_heatmap(result["retrieval"], written[-1])
+    return written
 
 
-def _plot_by_position(result: dict, path: Path) -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_heatmap(retrieval: dict, path: Path) -> None:
+    """The familiar needle-in-a-haystack picture: depth down, length across, green found."""
+    plt = _pyplot()
+    accuracy = [list(column) for column in zip(*retrieval["accuracy"])]  # depth x length
+    figure, axis = plt.subplots(figsize=(1.2 + 0.9 * len(retrieval["lengths"]), 5))
+    image = axis.imshow(accuracy, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    axis.set_xticks(range(len(retrieval["lengths"])),
+                    [f"{length:,}" for length in retrieval["lengths"]], rotation=45)
+    axis.set_yticks(range(len(retrieval["depths"])),
+                    [f"{depth:.0%}" for depth in retrieval["depths"]])
+    axis.set_xlabel("haystack length (tokens)")
+    axis.set_ylabel("needle depth")
+    axis.set_title(f"{retrieval['task']}: mean {retrieval['mean']:.2f}")
+    figure.colorbar(image, ax=axis, label="retrieved")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _plot_by_position(result: dict, path: Path) -> None:
+    plt = _pyplot()
 
     buckets = result["by_position"]
     kept = [i for i, tokens in enumerate(buckets["tokens"]) if tokens]

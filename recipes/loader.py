@@ -253,6 +253,8 @@ def validate(recipe: Recipe) -> None:
 def _validate_eval_split(recipe: Recipe) -> None:
     e = recipe.eval
     _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = no evaluation in training)")
+    _require(e.lengths >= 1, "eval.lengths", e.lengths, "must be >= 1")
+    _require(e.depths >= 1, "eval.depths", e.depths, "must be >= 1")
     _require(0 <= e.holdout <= 0.5, "eval.holdout", e.holdout,
              "must be in [0, 0.5]: a share of data.source's windows, e.g. 0.01")
     if e.every and e.source is None and recipe.data.source != "synthetic":

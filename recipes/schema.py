@@ -238,6 +238,12 @@ class EvalConfig:
     seq_len: int | None = option(
         None, "Tokens per evaluated sequence; null takes data.seq_len. It may exceed the "
               "training length (the mesh must split it as it splits data.seq_len).")
+    task: Literal["loss", "needle", "passkey"] = option(
+        "loss", "What `lctrain eval` measures besides loss by position: needle (a key-value "
+                "sentence) or passkey (digits) retrieval over a grid of haystack lengths and "
+                "needle depths, scored teacher-forced.")
+    lengths: int = option(6, "needle/passkey: haystack lengths, log-spaced up to eval.seq_len.")
+    depths: int = option(11, "needle/passkey: needle depths, evenly from 0 (start) to 1 (end).")
     every: int = option(
         0, "Evaluate every N steps during training, on held-out data (eval.source, or the "
            "eval.holdout share of data.source; synthetic data draws unseen sequences); 0 never.")

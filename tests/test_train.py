@@ -82,6 +82,17 @@ def test_default_recipe_learns_the_copy_task(tmp_path):
         elif 4 <= start < 122:
             assert accuracy < 0.05, buckets
 
+    # A model known to copy: it predicts each token of the second half from 129 tokens
+    # earlier. Token-level needles (key 2, value 4 tokens) at every depth of one 256-token
+    # haystack: the answer (positions 252-255) is the copy of positions 123-126, where the
+    # value sits only when the needle starts at 121, so retrieval succeeds at that depth
+    # alone: needle placement and answer scoring are exact to the token.
+    result = evaluate(load_recipe(None, ["eval.task=needle", "eval.lengths=1",
+                                         "eval.depths=245"]), tmp_path)
+    accuracy = np.array(result["retrieval"]["accuracy"][0])
+    assert result["retrieval"]["lengths"] == [256]
+    assert accuracy[121] > 0.85 and np.delete(accuracy, 121).max() < 0.3, accuracy
+
 
 def lctrain(run_dir, *args):
     return [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(run_dir),

@@ -25,6 +25,7 @@ from lctrain.recipes.schema import Recipe
 from .data import make_source
 from .loop import device_batch, mesh_for
 from .loss import token_scores
+from .retrieval import OneBatch, cell_batches, grid
 from .step import build_trainable, make_forward
 from .weights import load_weights
 
@@ -84,6 +85,7 @@ class Evaluator:
         self.bucket_sums = jax.jit(make_bucket_sums(self.recipe, graphdef, strategy,
                                                     self.edges))
         self.order = strategy.sequence_order(data.seq_len)
+        self.retrieval_scores = jax.jit(make_retrieval_scores(self.recipe, graphdef, strategy))
 
     def __call__(self, params, origin: str, console: Console | None = None) -> dict:
         totals = {name: np.zeros(len(self.edges) - 1) for name in ("loss", "correct", "tokens")}
@@ -95,7 +97,43 @@ class Evaluator:
                 for name, values in jax.device_get(self.bucket_sums(params, batch)).items():
                     totals[name] += values
                 progress.advance(task)
-        return summary(totals, self.edges, self.recipe, origin)
+        result = summary(totals, self.edges, self.recipe, origin)
+        if self.recipe.eval.task != "loss":
+            result["retrieval"] = self.retrieval(params, origin, console)
+        return result
+
+    def retrieval(self, params, origin: str, console: Console | None = None) -> dict:
+        """Share of samples retrieved per (haystack length, needle depth)."""
+        lengths, depths = grid(self.recipe)
+        accuracy = np.zeros((len(lengths), len(depths)))
+        filler = None if self.recipe.data.source == "synthetic" else self.source
+        cells = cell_batches(self.recipe, filler, self.recipe.train.seed)
+        with Progress(console=console or Console(quiet=True), transient=True) as progress:
+            task = progress.add_task(f"{self.recipe.eval.task} ({origin})",
+                                     total=accuracy.size)
+            for cell, (_, _, batch) in enumerate(cells):
+                source = OneBatch(self.recipe.data, batch)
+                hits, needed = jax.device_get(self.retrieval_scores(
+                    params, device_batch(source, 0, self.order, self.mesh)))
+                accuracy.flat[cell] = float(np.mean(hits == needed))
+                progress.advance(task)
+        return {"task": self.recipe.eval.task, "lengths": lengths, "depths": depths,
+                "accuracy": accuracy.tolist(), "mean": float(accuracy.mean()),
+                "samples_per_cell": self.recipe.data.batch_size}
+
+
+def make_retrieval_scores(recipe: Recipe, graphdef, strategy):
+    """(params, batch) -> per row (answer tokens that were the argmax, answer tokens)."""
+    forward = make_forward(recipe, graphdef, strategy)
+
+    def retrieval_scores(params, batch):
+        model, hidden = forward(params, batch)
+        _, correct = token_scores(hidden, model.output_weights(), batch["targets"],
+                                  recipe.loss, strategy.context)
+        mask = batch["loss_mask"].astype(jnp.float32)
+        return jnp.sum(correct * mask, axis=1), jnp.sum(mask, axis=1)
+
+    return retrieval_scores
 
 
 def evaluate(recipe: Recipe, run_dir: Path | None, step: int | None = None,

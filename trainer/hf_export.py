@@ -23,7 +23,7 @@ from .hf_config import config_json
 from .safetensors_io import write_folder
 from .loop import mesh_for
 from .step import build_trainable
-from .tokenizer import DocumentTokenizer, read_sidecar
+from .tokenizer import DocumentTokenizer, data_tokenizer
 from .weights import load_weights
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
@@ -62,7 +62,7 @@ def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat1
 
     write_folder(out_dir, shapes, DTYPES[dtype], values, max_shard_bytes, write=is_main)
     if is_main:
-        tokenizer = run_tokenizer(recipe)
+        tokenizer = data_tokenizer(recipe.data)
         special = {}
         if tokenizer:
             special = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id}
@@ -70,15 +70,6 @@ def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat1
         config = config_json(recipe.model, recipe.data.seq_len, dtype, special)
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return sorted(path.name for path in out_dir.iterdir())
-
-
-def run_tokenizer(recipe: Recipe) -> DocumentTokenizer | None:
-    """The tokenizer the run's data was made with: data.tokenizer, else the token file's
-    sidecar's; None for synthetic data and the byte tokenizer."""
-    path = recipe.data.tokenizer
-    if path is None and Path(recipe.data.source).suffix in (".bin", ".npy"):
-        path = (read_sidecar(recipe.data.source) or {}).get("tokenizer")
-    return DocumentTokenizer.load(path) if path else None
 
 
 def _copy_tokenizer_files(tokenizer: DocumentTokenizer, out_dir: Path) -> None:

@@ -59,6 +59,8 @@ class MetricsWriter:
             return
         record = {f"eval/{name}": float(result[name])
                   for name in ("loss", "perplexity", "accuracy", "tokens")}
+        if "retrieval" in result:
+            record[f"eval/{result['retrieval']['task']}_accuracy"] = result["retrieval"]["mean"]
         self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
         self.jsonl.flush()
         for name, value in record.items():

@@ -188,3 +188,12 @@ def _agree(key: str, recipe_value: Any, sidecar_value: Any, where: str) -> None:
         raise TokenizerError(
             f"recipe key '{key}' = {recipe_value!r} disagrees with {where} ({sidecar_value!r}); "
             f"leave {key} unset (the sidecar's is used) or make it equal")
+
+
+def data_tokenizer(data) -> DocumentTokenizer | None:
+    """The tokenizer `data` (a recipe's DataConfig) was made with: data.tokenizer, else its
+    token file's sidecar's; None for synthetic data and the byte tokenizer."""
+    path = data.tokenizer
+    if path is None and Path(data.source).suffix in (".bin", ".npy"):
+        path = (read_sidecar(data.source) or {}).get("tokenizer")
+    return DocumentTokenizer.load(path) if path else None
