@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Long-context language-model training with context parallelism.")
@@ -36,6 +38,18 @@ def start(cpu_devices: int, coordinator: Optional[str], num_processes: Optional[
     from lctrain.trainer.distributed import initialize
 
     initialize(coordinator, num_processes, process_id)
+
+
+def attempt(action: Callable[[], T]) -> T:
+    """action(), with the errors a user can cause (a bad recipe, bad data) turned into one
+    line and exit 2."""
+    from lctrain.recipes import RecipeError
+    from lctrain.trainer.data import DataError  # numpy only: safe before jax starts
+
+    try:
+        return action()
+    except (RecipeError, DataError) as err:
+        fail(str(err))
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -14,9 +14,8 @@ import typer
 from rich.console import Console
 
 from lctrain.recipes import RecipeError, load_recipe
-from lctrain.trainer.data import DataError  # numpy only: safe before jax is configured
 
-from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, console,
+from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
                      default_run_dir, error_console, fail, start)
 from . import models, tokenize  # noqa: F401  registers their commands
 
@@ -41,17 +40,12 @@ def run(
 ) -> None:
     """Train a model from a recipe, resuming from the run dir's latest checkpoint."""
     overrides = list(set_) + ([f"train.steps={steps}"] if steps is not None else [])
-    try:
-        loaded = load_recipe(recipe, overrides)
-    except RecipeError as err:
-        fail(str(err))
+    loaded = attempt(lambda: load_recipe(recipe, overrides))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
     from lctrain.trainer.loop import NonFiniteLoss, train
 
     try:
-        train(loaded, run_dir or default_run_dir(recipe), console)
-    except (RecipeError, DataError) as err:
-        fail(str(err))
+        attempt(lambda: train(loaded, run_dir or default_run_dir(recipe), console))
     except NonFiniteLoss as err:
         fail(str(err), code=1)
 

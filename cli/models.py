@@ -9,10 +9,9 @@ from typing import Optional
 
 import typer
 
-from lctrain.recipes import RecipeError, load_recipe, load_run_recipe
-from lctrain.trainer.data import DataError
+from lctrain.recipes import load_recipe, load_run_recipe
 
-from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, console,
+from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
                      default_run_dir, fail, start)
 from .eval_report import render_table, write_outputs
 
@@ -34,19 +33,13 @@ def export(
     RoPE, sharded safetensors, the tokenizer files)."""
     if dtype not in DTYPES:
         fail(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    try:
-        recipe = load_run_recipe(run_dir, set_)
-    except RecipeError as err:
-        fail(str(err))
+    recipe = attempt(lambda: load_run_recipe(run_dir, set_))
     start(recipe.runtime.cpu_devices, coordinator, num_processes, process_id)
     import jax
 
     from lctrain.trainer.hf_export import export_run
 
-    try:
-        files, origin = export_run(recipe, run_dir, out_dir, step, dtype)
-    except (RecipeError, DataError) as err:
-        fail(str(err))
+    files, origin = attempt(lambda: export_run(recipe, run_dir, out_dir, step, dtype))
     if jax.process_index() == 0:
         console.print(f"exported {origin} to {out_dir}: {', '.join(files)}", soft_wrap=True,
                       markup=False)
@@ -72,22 +65,15 @@ def eval_(
     """Loss, perplexity and next-token accuracy of a model, overall and by position, on
     eval.source (default data.source), forward only, on the recipe's mesh and strategy."""
     run_dir = run_dir or default_run_dir(recipe)
-    try:
-        if recipe is None and (run_dir / "recipe.yaml").is_file():
-            loaded = load_run_recipe(run_dir, set_)
-        else:
-            loaded = load_recipe(recipe, set_)
-    except RecipeError as err:
-        fail(str(err))
+    from_run = recipe is None and (run_dir / "recipe.yaml").is_file()
+    loaded = attempt(lambda: load_run_recipe(run_dir, set_) if from_run
+                     else load_recipe(recipe, set_))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
     import jax
 
     from lctrain.trainer.evaluate import evaluate
 
-    try:
-        result = evaluate(loaded, run_dir, step, console)
-    except (RecipeError, DataError) as err:
-        fail(str(err))
+    result = attempt(lambda: evaluate(loaded, run_dir, step, console))
     if jax.process_index() != 0:
         return
     written = write_outputs(result, out or run_dir / "eval")

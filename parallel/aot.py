@@ -54,19 +54,42 @@ def compile_train_step(recipe: Recipe, devices) -> Any:
     make_train_step), lowered with abstract state and batch only."""
     from lctrain.parallel import make_strategy
     from lctrain.trainer.loop import mesh_for
-    from lctrain.trainer.step import (BATCH_FIELDS, batch_shardings, build_trainable,
-                                      make_train_step)
+    from lctrain.trainer.step import build_trainable, make_train_step
 
     mesh = mesh_for(recipe, devices)
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)
     train_step = make_train_step(recipe, trainable, strategy, mesh)
+    return train_step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile()
+
+
+def compile_eval_step(recipe: Recipe, devices) -> Any:
+    """The compiled evaluation step of `lctrain eval` (forward only, loss and accuracy by
+    position at eval.seq_len) on `devices`, lowered with abstract parameters and batch."""
+    from lctrain.parallel import make_strategy
+    from lctrain.trainer.evaluate import eval_recipe, make_bucket_sums, position_edges
+    from lctrain.trainer.loop import mesh_for
+    from lctrain.trainer.step import build_trainable
+
+    mesh = mesh_for(recipe, devices)
+    recipe = eval_recipe(recipe)
+    trainable = build_trainable(recipe, mesh)
+    bucket_sums = jax.jit(make_bucket_sums(recipe, trainable.graphdef,
+                                           make_strategy(recipe, mesh),
+                                           position_edges(recipe.data.seq_len)))
+    return bucket_sums.lower(trainable.abstract_state.params,
+                             abstract_batch(recipe, mesh)).compile()
+
+
+def abstract_batch(recipe: Recipe, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch's shapes, dtypes and shardings, for lowering without data."""
+    from lctrain.trainer.step import BATCH_FIELDS, batch_shardings
+
     shape = (recipe.data.batch_size, recipe.data.seq_len)
     shardings = batch_shardings(mesh)
-    batch = {name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == "loss_mask" else jnp.int32,
-                                        sharding=shardings[name])
-             for name in BATCH_FIELDS}
-    return train_step.lower(trainable.abstract_state, batch).compile()
+    return {name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == "loss_mask" else jnp.int32,
+                                       sharding=shardings[name])
+            for name in BATCH_FIELDS}
 
 
 # -------------------------------------------------------------------- stats ----
