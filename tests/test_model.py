@@ -102,7 +102,7 @@ def test_forward_and_backward_match_the_reference(overrides):
         assert float(jnp.max(jnp.abs(g - r))) <= 1e-4 * scale, jax.tree_util.keystr(path)
     # The loss helper: mean next-token cross-entropy over the unmasked tokens.
     mask = jnp.ones_like(tokens, jnp.float32).at[:, -1].set(0)
-    total, count = next_token_loss(jnp.eye(cfg.d_model)[None, :1].repeat(24, 1).repeat(2, 0),
+    total, (count, _) = next_token_loss(jnp.eye(cfg.d_model)[None, :1].repeat(24, 1).repeat(2, 0),
                                    jnp.zeros((cfg.d_model, cfg.vocab)), targets, mask)
     assert float(count) == 46 and float(total) == pytest.approx(46 * math.log(cfg.vocab), 1e-5)
 

@@ -51,7 +51,8 @@ def loss_and_grads(recipe, devices):
     loss_sums = make_loss_sums(recipe, graphdef, strategy)
 
     def mean_loss(params):
-        total, count = loss_sums(params, batch)
+        total, aux = loss_sums(params, batch)
+        count = aux.tokens
         return total / count
 
     loss, grads = jax.jit(jax.value_and_grad(mean_loss))(params)

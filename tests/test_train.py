@@ -186,3 +186,30 @@ def test_device_batch_reads_only_what_each_shard_needs():
     np.testing.assert_array_equal(np.asarray(batch["inputs"]), original(3).inputs[:, order])
     np.testing.assert_array_equal(np.asarray(batch["positions"]),
                                   original(3).positions[:, order])
+
+
+def test_logged_loss_is_the_cross_entropy_and_the_z_loss_is_apart():
+    """With train.z_loss the objective is cross-entropy + z * logsumexp^2; the log shows
+    the cross-entropy as `loss` (what perplexity comes from) and the z-loss beside it."""
+    from lctrain.trainer.step import make_loss_sums
+
+    sets = ["data.seq_len=64", "mesh.data=1"]
+    recipe = load_recipe(None, [*sets, "train.z_loss=0.1"])
+    mesh = mesh_for(recipe, jax.devices()[:1])
+    strategy = make_strategy(recipe, mesh)
+    trainable = build_trainable(recipe, mesh)
+    state = trainable.init()
+    source = make_source(recipe.data, vocab=recipe.model.vocab, seed=0)
+    batch = device_batch(source, 0, None, mesh)
+
+    def mean_loss(z_loss):
+        sums = make_loss_sums(load_recipe(None, [*sets, f"train.z_loss={z_loss}"]),
+                              trainable.graphdef, strategy)
+        total, aux = jax.jit(sums)(state.params, batch)
+        return float(total / aux.tokens)
+
+    cross_entropy, objective = mean_loss(0.0), mean_loss(0.1)
+    _, metrics = make_train_step(recipe, trainable, strategy, mesh)(state, batch)
+    assert objective - cross_entropy > 0.1  # the z-loss term is not negligible here
+    assert float(metrics["loss"]) == pytest.approx(cross_entropy, rel=1e-6)
+    assert float(metrics["z_loss"]) == pytest.approx(objective - cross_entropy, rel=1e-5)

@@ -10,6 +10,7 @@ and backward hold one chunk of logits at a time.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +24,18 @@ from lctrain.trainer.token_chunks import TokenChunks
 DEFAULT_CHUNK_TOKENS = 4096
 
 
+class LossAux(NamedTuple):
+    """What the loss reports beside its sum: counted tokens, and the z-loss part of the sum
+    (so cross-entropy = sum - z_loss is logged apart from the regulariser)."""
+    tokens: jax.Array
+    z_loss: jax.Array
+
+
 def next_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
                     loss_mask: jax.Array, z_loss: float = 0.0,
                     config: LossConfig | None = None, sequence_shards: int = 1
-                    ) -> tuple[jax.Array, jax.Array]:
-    """Returns (sum of per-token losses, number of counted tokens).
+                    ) -> tuple[jax.Array, LossAux]:
+    """Returns (sum of per-token losses, LossAux(counted tokens, z-loss part of the sum)).
 
     hidden [b, s, e] and output_weights [e, v] give the logits; targets and loss_mask are
     [b, s]. Each counted token adds logsumexp - target logit + z_loss * logsumexp^2.
@@ -39,13 +47,14 @@ def next_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.A
     config = config or LossConfig()
     chunk_tokens = resolve_chunk_tokens(config.chunk_tokens, hidden.shape[1])
     if chunk_tokens == hidden.shape[1]:
-        per_token = _per_token_loss(hidden, output_weights.astype(hidden.dtype), targets,
-                                    z_loss)
+        per_token, log_partition = _per_token_loss(
+            hidden, output_weights.astype(hidden.dtype), targets, z_loss)
     else:
-        per_token, loss_mask = _chunked_per_token_loss(
+        per_token, log_partition, loss_mask = _chunked_per_token_loss(
             hidden, output_weights, targets, loss_mask, z_loss, chunk_tokens, sequence_shards)
     mask = loss_mask.astype(jnp.float32)
-    return jnp.sum(per_token * mask), jnp.sum(mask)
+    z_part = z_loss * jnp.sum(jnp.square(jax.lax.stop_gradient(log_partition)) * mask)
+    return jnp.sum(per_token * mask), LossAux(jnp.sum(mask), z_part)
 
 
 def resolve_chunk_tokens(chunk_tokens: int | None, seq_len: int) -> int:
@@ -69,11 +78,12 @@ def _logits_and_log_partition(hidden: jax.Array, output_weights: jax.Array
 
 
 def _per_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
-                    z_loss: float) -> jax.Array:
-    """Unmasked loss of every token [..., s]."""
+                    z_loss: float) -> tuple[jax.Array, jax.Array]:
+    """Unmasked loss of every token [..., s], and its logsumexp [..., s]."""
     logits, log_partition = _logits_and_log_partition(hidden, output_weights)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)
-    return (log_partition - target_logit + z_loss * jnp.square(log_partition))[..., 0]
+    loss = log_partition - target_logit + z_loss * jnp.square(log_partition)
+    return loss[..., 0], log_partition[..., 0]
 
 
 def token_scores(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
@@ -100,22 +110,24 @@ def token_scores(hidden: jax.Array, output_weights: jax.Array, targets: jax.Arra
 
 
 def _chunked_per_token_loss(hidden, output_weights, targets, loss_mask, z_loss,
-                            chunk_tokens: int, shards: int) -> tuple[jax.Array, jax.Array]:
-    """Per-token losses and the mask, both [n_chunks, b, chunk_len], one chunk at a time
-    (chunks as trainer/token_chunks.py cuts them: each spread over all `shards`)."""
+                            chunk_tokens: int, shards: int):
+    """Per-token losses, their logsumexp and the mask, each [n_chunks, b, chunk_len], one
+    chunk at a time (chunks as trainer/token_chunks.py cuts them: each spread over all
+    `shards`)."""
     chunks = TokenChunks(targets.shape[1], chunk_tokens, shards)
-    per_token = _chunk_losses(hidden, output_weights.astype(hidden.dtype), targets, z_loss,
-                              chunks)
+    per_token, log_partition = _chunk_losses(hidden, output_weights.astype(hidden.dtype),
+                                             targets, z_loss, chunks)
     # Padding gets mask 0 (and target 0, a valid index), so it adds nothing to loss or grads.
-    return per_token, chunks.split(loss_mask)
+    return per_token, log_partition, chunks.split(loss_mask)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _chunk_losses(hidden, output_weights, targets, z_loss, chunks: TokenChunks):
-    """[n, b, t] per-token losses, `chunks` of [b, s, e] hidden one chunk's logits at a
-    time. The backward recomputes each chunk's logits (it keeps only the inputs, unsplit)
-    and sums the output weights' gradient over the chunks in float32, rounding the total
-    once to the compute dtype: differentiating the scan would round at every chunk."""
+    """[n, b, t] per-token losses and logsumexps, `chunks` of [b, s, e] hidden one chunk's
+    logits at a time. The backward recomputes each chunk's logits (it keeps only the inputs,
+    unsplit) and sums the output weights' gradient over the chunks in float32, rounding the
+    total once to the compute dtype: differentiating the scan would round at every chunk.
+    The logsumexps are reported for the z-loss metric only: their cotangent is ignored."""
     def chunk_loss(carry, chunk):
         chunk_hidden, chunk_targets = chunk
         return carry, _per_token_loss(chunk_hidden, output_weights, chunk_targets, z_loss)
@@ -124,12 +136,13 @@ def _chunk_losses(hidden, output_weights, targets, z_loss, chunks: TokenChunks):
 
 
 def _chunk_losses_forward(hidden, output_weights, targets, z_loss, chunks):
-    per_token = _chunk_losses(hidden, output_weights, targets, z_loss, chunks)
-    return per_token, (hidden, output_weights, targets)
+    outputs = _chunk_losses(hidden, output_weights, targets, z_loss, chunks)
+    return outputs, (hidden, output_weights, targets)
 
 
-def _chunk_losses_backward(z_loss, chunks, residuals, per_token_grads):
+def _chunk_losses_backward(z_loss, chunks, residuals, output_grads):
     hidden, output_weights, targets = residuals
+    per_token_grads, _ = output_grads
     dtype = hidden.dtype
 
     def chunk_grads(weights_grad, chunk):

@@ -15,7 +15,7 @@ from lctrain.parallel.sharding import batch_sharding, parameter_shardings, repli
 from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import Recipe
 
-from .loss import next_token_loss
+from .loss import LossAux, next_token_loss
 from .model import Transformer
 from .optimizer import learning_rate_schedule, make_optimizer
 from .remat import remat_policy
@@ -128,8 +128,8 @@ def make_forward(recipe: Recipe, graphdef: nnx.GraphDef,
 
 def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
                    strategy: ContextStrategy) -> Callable:
-    """(params, batch) -> (sum of token losses, counted tokens): the model and loss as the
-    train step differentiates them."""
+    """(params, batch) -> (sum of token losses, LossAux(counted tokens, z-loss part)): the
+    model and loss as the train step differentiates them."""
     forward = make_forward(recipe, graphdef, strategy)
 
     def loss_sums(params, batch):
@@ -163,13 +163,14 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrat
         def add_micro_batch(total, micro_batch):
             return jax.tree.map(jnp.add, total, sums_and_grads(params, micro_batch)), None
 
-        zeros = ((jnp.zeros(()), jnp.zeros(())), jax.tree.map(jnp.zeros_like, params))
+        zeros = ((jnp.zeros(()), LossAux(jnp.zeros(()), jnp.zeros(()))),
+                 jax.tree.map(jnp.zeros_like, params))
         total, _ = jax.lax.scan(add_micro_batch, zeros, jax.tree.map(split, batch))
         return total
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        (loss_sum, token_count), grad_sums = accumulate(state.params, batch)
-        token_count = jnp.maximum(token_count, 1.0)
+        (loss_sum, aux), grad_sums = accumulate(state.params, batch)
+        token_count = jnp.maximum(aux.tokens, 1.0)
         grads = jax.tree.map(lambda g: g / token_count, grad_sums)
         # optimizer.offload: moments from host memory for the update, then back. (XLA's TPU
         # compiler starts that copy at the top of the step, an optimization barrier on the
@@ -179,8 +180,11 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrat
         updates, opt_state = trainable.optimizer.update(grads, opt_state, state.params)
         opt_state = _moved(opt_state, opt_shardings, HOST)
         params = optax.apply_updates(state.params, updates)
-        loss, grad_norm = loss_sum / token_count, optax.tree_utils.tree_norm(grads)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+        # Logged: the cross-entropy, and the z-loss regulariser apart from it.
+        loss = (loss_sum - aux.z_loss) / token_count
+        grad_norm = optax.tree_utils.tree_norm(grads)
+        metrics = {"loss": loss, "z_loss": aux.z_loss / token_count, "grad_norm": grad_norm,
+                   "lr": schedule(state.step),
                    "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
