@@ -4,6 +4,7 @@ the fake-device switch. Imports neither jax nor the trainer."""
 from __future__ import annotations
 
 import os
+import pkgutil
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
@@ -30,11 +31,11 @@ PROCESS_ID = typer.Option(None, envvar="LCTRAIN_PROCESS_ID",
                           help="This process's index, 0-based.")
 
 
-def start(cpu_devices: int, coordinator: Optional[str], num_processes: Optional[int],
+def start(cpu_devices: int | str, coordinator: Optional[str], num_processes: Optional[int],
           process_id: Optional[int]) -> None:
     """Sets up the devices (fake CPU ones if asked) and joins a multi-process run; the
     first thing a command does after reading its recipe, since it starts jax."""
-    use_fake_cpu_devices(cpu_devices)
+    use_fake_cpu_devices(fake_cpu_device_count(cpu_devices))
     from lctrain.trainer.distributed import initialize
 
     initialize(coordinator, num_processes, process_id)
@@ -58,6 +59,40 @@ def fail(message: str, code: int = 2) -> None:
     error_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False,
                         soft_wrap=True)
     raise typer.Exit(code=code)
+
+
+# runtime.cpu_devices=auto on a machine without an accelerator.
+AUTO_CPU_DEVICES = 8
+# Device nodes the accelerator runtimes open, by the module through which jax drives them:
+# libtpu opens /dev/accel0 (TPU v2-v4) or /dev/vfio/0 (v5e and later), CUDA /dev/nvidia0,
+# ROCm /dev/kfd. Without the module jax runs on the CPU whatever the machine holds.
+ACCELERATOR_NODES = {"libtpu": ("accel[0-9]*", "vfio/[0-9]*"),
+                     "jax_cuda": ("nvidia[0-9]*",), "jax_rocm": ("kfd",)}
+
+
+def fake_cpu_device_count(setting: int | str) -> int:
+    """runtime.cpu_devices as a count. 'auto' is AUTO_CPU_DEVICES unless jax will find an
+    accelerator, decided without importing jax (XLA_FLAGS must be set before it starts);
+    JAX_PLATFORMS, when the user set it, decides instead."""
+    if setting != "auto":
+        return setting
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return AUTO_CPU_DEVICES if platforms.split(",")[0] == "cpu" else 0
+    return 0 if accelerator_module() else AUTO_CPU_DEVICES
+
+
+def accelerator_module(dev: Path = Path("/dev"),
+                       installed: Optional[set[str]] = None) -> Optional[str]:
+    """The installed module (libtpu, jax_cuda*, jax_rocm*) whose device nodes are under
+    `dev`, or None when jax will run on the CPU."""
+    if installed is None:
+        installed = {module.name for module in pkgutil.iter_modules()}
+    for prefix, patterns in ACCELERATOR_NODES.items():
+        if (any(name.startswith(prefix) for name in installed)
+                and any(next(dev.glob(pattern), None) for pattern in patterns)):
+            return prefix
+    return None
 
 
 def use_fake_cpu_devices(count: int) -> None:

@@ -7,13 +7,15 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
 def render_table(result: dict, console: Console) -> None:
     buckets = result["by_position"]
     edges = buckets["edges"]
-    table = Table(title=f"{result['weights']}: {result['tokens']:,} tokens of "
+    # Escaped: the weights' run dir or model folder may hold square brackets, rich's markup.
+    table = Table(title=f"{escape(result['weights'])}: {result['tokens']:,} tokens of "
                         f"{result['seq_len']:,}-token sequences", title_justify="left")
     for column in ("positions", "tokens", "loss", "perplexity", "accuracy"):
         table.add_column(column, justify="right")

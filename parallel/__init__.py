@@ -7,7 +7,7 @@ from jax.sharding import Mesh
 from lctrain.recipes.schema import Recipe, RecipeError
 
 from .all_gather import AllGather
-from .mesh import MESH_AXES, build_mesh
+from .mesh import MESH_AXES, build_mesh, describe_devices
 from .none import NoContextParallel
 from .ring import Ring
 from .strategy import ContextStrategy, load_balanced_order
@@ -32,5 +32,5 @@ def make_strategy(recipe: Recipe, mesh: Mesh) -> ContextStrategy:
     return strategy_class(recipe)(recipe, mesh)
 
 
-__all__ = ["MESH_AXES", "STRATEGIES", "ContextStrategy", "build_mesh", "load_balanced_order",
-           "make_strategy", "strategy_class"]
+__all__ = ["MESH_AXES", "STRATEGIES", "ContextStrategy", "build_mesh", "describe_devices",
+           "load_balanced_order", "make_strategy", "strategy_class"]

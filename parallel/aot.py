@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lctrain.parallel.native_stderr import shown_only_on_failure
 from lctrain.recipes.schema import Recipe
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
@@ -40,7 +41,9 @@ def topology_devices(name: str) -> list:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        with shown_only_on_failure():  # libtpu loads here, warning that it finds no TPU
+            return list(topologies.get_topology_desc(platform="tpu",
+                                                     topology_name=name).devices)
     except Exception as err:  # libtpu's message for an unknown name is long and generic
         raise ValueError(f"unknown TPU topology '{name}' (e.g. v4:2x2x1, v5e:2x2, v5p:2x2x1, "
                          f"v6e:2x2, tpu7x:2x2x1): {str(err).splitlines()[0]}") from err

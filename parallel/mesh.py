@@ -30,3 +30,12 @@ def build_mesh(axis_sizes: dict[str, int], ulysses: int = 1, devices=None) -> Me
         # with the devices in id order; neighbours on an axis may then be further apart.
         devices = jax.devices() if devices is None else devices
         return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
+
+
+def describe_devices(mesh: Mesh, cpu_devices: int | str) -> str:
+    """What a run computes on, e.g. 'devices: 4 x TPU v5p' or 'devices: 8 x cpu (fake,
+    runtime.cpu_devices=auto)', so a run on the wrong platform shows in its first line."""
+    devices = mesh.devices.flatten()
+    fake = devices[0].platform == "cpu" and cpu_devices != 0
+    return (f"devices: {len(devices)} x {devices[0].device_kind}"
+            + (f" (fake, runtime.cpu_devices={cpu_devices})" if fake else ""))

@@ -363,8 +363,8 @@ def ulysses_degree_limit(recipe: Recipe, axis_sizes: dict[str, int]) -> int:
     return math.gcd(recipe.model.n_heads // axis_sizes["tensor"], axis_sizes["context"])
 
 
-def candidates(recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[list[tuple[str, int]],
-                                                                     dict[str, str]]:
+def candidates(recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu"
+               ) -> tuple[list[tuple[str, int]], dict[str, str]]:
     """[(strategy, ulysses degree)] the mesh allows, and why the others are left out."""
     c = axis_sizes["context"]
     if c == 1:
@@ -390,8 +390,8 @@ def candidates(recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[list[tuple[s
         variant = recipe_for_strategy(recipe, strategy, ulysses)
         try:
             check_kernel_layout(variant, axis_sizes,
-                                STRATEGIES[strategy].kernel_lengths(variant, axis_sizes))
-        except RecipeError as err:  # attention.impl=splash where its tiles do not fit
+                                STRATEGIES[strategy].kernel_lengths(variant, axis_sizes), platform)
+        except RecipeError as err:  # splash's or (on TPU) Pallas's tiles do not fit
             skipped[strategy] = str(err).removeprefix("recipe key 'attention.impl' = 'splash': ")
     return [(s, u) for s, u in out if s not in skipped], skipped
 
@@ -817,7 +817,7 @@ def _ring_work_over_send(dm: _Dims, chip: Chip, strategy: str) -> float:
 def plan(recipe: Recipe, chip: Chip, axis_sizes: dict[str, int],
          platform: str = "tpu") -> Plan:
     """Estimates every strategy the mesh allows and recommends one."""
-    options, skipped = candidates(recipe, axis_sizes)
+    options, skipped = candidates(recipe, axis_sizes, platform)
     plans = [estimate(recipe, axis_sizes, chip, s, u, platform) for s, u in options]
     choice, reason = recommend(plans)
     return Plan(chip, axis_sizes, plans, skipped, choice, reason)
@@ -1002,10 +1002,12 @@ def _seconds(x: float) -> str:
 
 def render(result: Plan, console, title: str = "") -> None:
     """The plan as a rich table, one row per strategy, then the recommendation."""
+    from rich.markup import escape
     from rich.table import Table
 
     compiled = any(p.compiled is not None for p in result.plans)
-    table = Table(title=title or None, title_justify="left")
+    # Escaped: a model folder (hf:<dir>) may hold square brackets, rich's markup.
+    table = Table(title=escape(title) or None, title_justify="left")
     for name, justify in (("strategy", "left"), ("HBM\nGiB/device", "right"),
                           ("host\nGiB/device", "right"), ("comm\nGiB/step", "right"),
                           ("comm time /\ncompute time", "right"), ("MFU\nbound", "right"),
@@ -1031,9 +1033,9 @@ def render(result: Plan, console, title: str = "") -> None:
     console.print(table)
     for strategy, why in result.skipped.items():
         if strategy != "none":
-            console.print(f"[dim]{strategy}: {why}[/]", highlight=False)
+            console.print(f"[dim]{strategy}: {escape(why)}[/]", highlight=False)
     if result.choice is not None:
-        console.print(f"recommended: [bold]{result.choice.name}[/] - {result.reason}",
+        console.print(f"recommended: [bold]{result.choice.name}[/] - {escape(result.reason)}",
                       highlight=False, soft_wrap=True)
 
 

@@ -9,6 +9,7 @@ sequence meets the rest of it, and calls the kernel from `lctrain.kernels` for t
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lctrain import kernels
-from lctrain.kernels import splash
+from lctrain.kernels import pallas, splash
 from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_spec
 from lctrain.recipes import stored_chunks
 from lctrain.recipes.schema import Recipe, RecipeError
@@ -42,9 +43,11 @@ class ContextStrategy:
         self.load_balance = recipe.parallel.load_balance and self.context > 1
 
     @classmethod
-    def check(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> None:
-        """Raises RecipeError for combinations this strategy cannot run (before any compile)."""
-        check_kernel_layout(recipe, axis_sizes, cls.kernel_lengths(recipe, axis_sizes))
+    def check(cls, recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu") -> None:
+        """Raises RecipeError for combinations this strategy cannot run on `platform`'s
+        devices (before any compile)."""
+        check_kernel_layout(recipe, axis_sizes, cls.kernel_lengths(recipe, axis_sizes),
+                            platform)
 
     @classmethod
     def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:
@@ -114,11 +117,41 @@ def stored_chunk_tokens(recipe: Recipe, context: int) -> int:
 
 
 def check_kernel_layout(recipe: Recipe, axis_sizes: dict[str, int],
-                        kernel_lengths: tuple[int, int]) -> None:
-    """RecipeError when attention.impl=splash cannot run on the stored layout, or its
-    block map for a kernel call of `kernel_lengths` (queries, keys) cannot fit."""
-    if recipe.attention.impl != "splash":
+                        kernel_lengths: tuple[int, int], platform: str = "tpu") -> None:
+    """RecipeError when the attention kernel cannot run a kernel call of `kernel_lengths`
+    (queries, keys) on the stored layout: splash's chunks or block map, or the Pallas
+    kernel's TPU tiles."""
+    if recipe.attention.impl == "splash":
+        _check_splash_layout(recipe, axis_sizes, kernel_lengths)
+    _check_pallas_tiles(recipe, axis_sizes, kernel_lengths, platform)
+
+
+def _check_pallas_tiles(recipe: Recipe, axis_sizes: dict[str, int],
+                        kernel_lengths: tuple[int, int], platform: str) -> None:
+    """Mosaic tiles a call in blocks of a multiple of 128 tokens, or one block of the
+    whole length (pallas.block_size), so a call of e.g. 2000 tokens fails at trace time;
+    interpret mode (CPU) takes any length, and on GPU the xla kernel runs."""
+    a, context = recipe.attention, axis_sizes["context"]
+    if platform != "tpu" or kernels.impl_for_call(
+            a.impl, platform, *kernel_lengths, a.block_q, a.block_kv,
+            stored_chunk_tokens(recipe, context)) != "pallas":
         return
+    try:
+        for length, block in zip(kernel_lengths, (a.block_q, a.block_kv)):
+            pallas.block_size(length, block, interpret=False)
+    except ValueError as err:
+        multiple = math.lcm(128 * recipe.data.seq_len // min(kernel_lengths),
+                            stored_chunks(recipe, context))
+        raise RecipeError(
+            f"recipe key 'attention.impl' = '{a.impl}': each kernel call on TPU takes "
+            f"{kernel_lengths[0]} queries x {kernel_lengths[1]} keys (data.seq_len "
+            f"{recipe.data.seq_len}, mesh.context {context}), and {err}; make data.seq_len a "
+            f"multiple of {multiple}, or use attention.impl=xla") from None
+
+
+def _check_splash_layout(recipe: Recipe, axis_sizes: dict[str, int],
+                         kernel_lengths: tuple[int, int]) -> None:
+    """Splash needs every block inside one stored chunk, and its block map in SMEM."""
     context = axis_sizes["context"]
     chunk = stored_chunk_tokens(recipe, context)
     if not splash.fits_chunks(chunk):

@@ -48,9 +48,9 @@ class Ulysses(ContextStrategy):
     name = "ulysses"
 
     @classmethod
-    def check(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> None:
+    def check(cls, recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu") -> None:
         check_ulysses_degree(recipe, axis_sizes, axis_sizes["context"], "mesh.context")
-        super().check(recipe, axis_sizes)
+        super().check(recipe, axis_sizes, platform)
 
     @classmethod
     def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:

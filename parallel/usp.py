@@ -20,14 +20,14 @@ class UnifiedSequenceParallel(ContextStrategy):
     name = "usp"
 
     @classmethod
-    def check(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> None:
+    def check(cls, recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu") -> None:
         ulysses, context = recipe.parallel.ulysses, axis_sizes["context"]
         if context % ulysses:
             raise RecipeError(
                 f"recipe key 'parallel.ulysses' = {ulysses}: must divide mesh.context "
                 f"({context}); the ring degree is mesh.context / parallel.ulysses")
         check_ulysses_degree(recipe, axis_sizes, ulysses, "parallel.ulysses")
-        super().check(recipe, axis_sizes)
+        super().check(recipe, axis_sizes, platform)
 
     @classmethod
     def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:

@@ -6,18 +6,17 @@ so the CLI can print it as one line and exit 2 before anything is compiled.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
 
+from .coerce import build, coerce
 from .schema import (MODEL_PRESETS, REMAT_TENSORS, ROPE_KEYS, DataConfig, ModelConfig, Recipe,
                      RecipeError)
 
@@ -36,7 +35,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()
         key, value = _parse_override(assignment)
         _set_dotted(raw, key, value)
     _fill_model_keys(raw)
-    recipe = _build(Recipe, raw, prefix="")
+    recipe = build(Recipe, raw, prefix="")
     _derive_model_keys(recipe.model)
     validate(recipe)
     return recipe
@@ -94,61 +93,6 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[leaf] = value
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    if not isinstance(raw, dict):
-        raise RecipeError(f"recipe key '{prefix.rstrip('.') or '<root>'}' must be a mapping, "
-                          f"got {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        key = prefix + unknown[0]
-        raise RecipeError(f"unknown recipe key '{key}'; allowed under "
-                          f"'{prefix.rstrip('.') or '<root>'}': {', '.join(fields)}")
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for name, value in raw.items():
-        values[name] = _coerce(prefix + name, value, hints[name])
-    return cls(**values)
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner)
-    if origin is Literal:
-        if value not in args:
-            raise RecipeError(f"recipe key '{key}': got {value!r}; allowed: "
-                              f"{', '.join(map(str, args))}")
-        return value
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key + ".")
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise RecipeError(f"recipe key '{key}': got {value!r}; expected a mapping")
-        return {str(k): _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
-    return _coerce_scalar(key, value, hint)
-
-
-def _coerce_scalar(key: str, value: Any, hint: type) -> Any:
-    if hint is bool and isinstance(value, bool):
-        return value
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint is float and not isinstance(value, bool):
-        try:
-            return float(value)  # YAML reads 3e-4 (no dot) as a string
-        except (TypeError, ValueError):
-            pass
-    if hint is str and isinstance(value, str):
-        return value
-    expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
-    raise RecipeError(f"recipe key '{key}': got {value!r} ({type(value).__name__}); "
-                      f"expected {expected}")
-
-
 def _fill_model_keys(raw: dict[str, Any]) -> None:
     """Fills the unset model keys from model.init's config.json, or from the preset.
 
@@ -157,7 +101,7 @@ def _fill_model_keys(raw: dict[str, Any]) -> None:
     names another type."""
     model = raw.setdefault("model", {})
     if not isinstance(model, dict):
-        return  # _build names the key
+        return  # build names the key
     hints = typing.get_type_hints(ModelConfig)
     init = model.get("init", "random")
     if isinstance(init, str) and init.startswith("hf:"):
@@ -170,7 +114,7 @@ def _fill_model_keys(raw: dict[str, Any]) -> None:
         base, source = model_fields(init[3:], seq_len), f"{init[3:]}/config.json"
     else:
         _require(init == "random", "model.init", init, "use 'random' or 'hf:<model folder>'")
-        preset = _coerce("model.preset", model.get("preset", "tiny"), hints["preset"])
+        preset = coerce("model.preset", model.get("preset", "tiny"), hints["preset"])
         base, source = MODEL_PRESETS[preset], None
     for key, value in base.items():
         given = model.get(key)
@@ -178,8 +122,8 @@ def _fill_model_keys(raw: dict[str, Any]) -> None:
             model[key] = _merged_rope_scaling(value, given)
         elif given is None:
             model[key] = value
-        elif source and key not in ROPE_KEYS and _coerce(f"model.{key}", given,
-                                                         hints[key]) != value:
+        elif source and key not in ROPE_KEYS and coerce(f"model.{key}", given,
+                                                        hints[key]) != value:
             raise RecipeError(f"recipe key 'model.{key}' = {given!r} disagrees with {source} "
                               f"({value!r}); leave it unset or make it equal")
 
@@ -244,8 +188,9 @@ def validate(recipe: Recipe) -> None:
              "must be >= 0 (0 = only at the end)")
     _require(recipe.checkpoint.keep >= 1, "checkpoint.keep", recipe.checkpoint.keep,
              "must be >= 1")
-    _require(recipe.runtime.cpu_devices >= 0, "runtime.cpu_devices", recipe.runtime.cpu_devices,
-             "must be >= 0 (0 = jax's default)")
+    cpu_devices = recipe.runtime.cpu_devices
+    _require(cpu_devices == "auto" or cpu_devices >= 0, "runtime.cpu_devices", cpu_devices,
+             "must be >= 0 (0 = jax's default) or auto")
     _require(recipe.runtime.log_every > 0, "runtime.log_every", recipe.runtime.log_every,
              "must be positive")
 
@@ -289,7 +234,9 @@ def _validate_source(recipe: Recipe) -> None:
         _require_no_tokenizer(d)
         return
     _require(Path(d.source).exists(), "data.source", d.source,
-             "no such file or folder; use 'synthetic', a .bin/.npy token file or text file(s)")
+             f"no such file or folder (looked for {Path(d.source).absolute()}: a relative path "
+             f"is taken from the working directory); use 'synthetic', a .bin/.npy token file "
+             f"or text file(s)")
     try:
         if Path(d.source).suffix in (".bin", ".npy"):
             _require_no_tokenizer(d)
@@ -320,14 +267,26 @@ def _validate_mesh(recipe: Recipe) -> None:
     _require(len(fills) <= 1, f"mesh.{fills[-1] if fills else 'data'}", -1,
              f"only one mesh axis may be -1, got {', '.join(fills)}")
     p = recipe.parallel
-    if p.strategy == "none":
-        _require(recipe.mesh.context == 1, "mesh.context", recipe.mesh.context,
-                 "parallel.strategy 'none' needs mesh.context = 1; pick a context-parallel "
-                 "strategy (all_gather, ulysses, ring, usp, auto)")
+    if recipe.mesh.context != -1:
+        _check_strategy_splits(recipe, recipe.mesh.context)
     _require(p.ulysses >= 1, "parallel.ulysses", p.ulysses, "must be >= 1")
     if p.strategy != "usp":
         _require(p.ulysses == 1, "parallel.ulysses", p.ulysses,
                  f"only used with parallel.strategy=usp (strategy is '{p.strategy}')")
+
+
+def _check_strategy_splits(recipe: Recipe, context: int) -> None:
+    """Strategy 'none' keeps whole sequences (context 1); every other one but auto splits
+    them, so one chip in the context axis would make it a silent no-op."""
+    strategy = recipe.parallel.strategy
+    if strategy == "none":
+        _require(context == 1, "mesh.context", context,
+                 "parallel.strategy 'none' needs mesh.context = 1; pick a context-parallel "
+                 "strategy (all_gather, ulysses, ring, usp, auto)")
+    elif strategy != "auto":
+        _require(context > 1, "parallel.strategy", strategy,
+                 f"splits the sequence over mesh.context, which is {context}; set "
+                 f"mesh.context >= 2, or parallel.strategy=none")
 
 
 def _validate_remat(recipe: Recipe) -> None:
@@ -392,6 +351,7 @@ def check_against_devices(recipe: Recipe, device_count: int) -> dict[str, int]:
              d.batch_size, f"must be divisible by mesh.data * mesh.fsdp * "
                            f"train.grad_accum_steps = {batch_shards * t.grad_accum_steps}")
     context = sizes["context"]
+    _check_strategy_splits(recipe, context)
     chunks = stored_chunks(recipe, context)
     for key, seq_len in (("data.seq_len", d.seq_len), ("eval.seq_len", recipe.eval.seq_len)):
         _require(seq_len is None or seq_len % chunks == 0, key, seq_len,

@@ -4,6 +4,7 @@ and a test checks that it is current. Regenerate with `python -m lctrain.recipes
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 
 from .schema import MODEL_PRESETS, Recipe
@@ -20,9 +21,9 @@ def _type_name(hint) -> str:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin is dict:
         return f"map name -> {_type_name(args[1])}"
-    if args and type(None) in args:
-        (inner,) = [a for a in args if a is not type(None)]
-        return f"{_type_name(inner)} or null"
+    if origin in (typing.Union, types.UnionType):
+        members = " or ".join(_type_name(a) for a in args if a is not type(None))
+        return f"{members} or null" if type(None) in args else members
     return getattr(hint, "__name__", str(hint))
 
 

@@ -127,7 +127,8 @@ class DataConfig:
         "synthetic",
         "'synthetic' (a copy task across the whole sequence), a token file (.bin/.npy, "
         "e.g. from `lctrain tokenize`), or a text file or folder of .txt files (each file "
-        "one document, tokenized with data.tokenizer, else byte by byte).")
+        "one document, tokenized with data.tokenizer, else byte by byte). A relative path is "
+        "taken from the working directory, not the recipe's folder.")
     tokenizer: str | None = option(
         None, "Text sources: a Hugging Face model folder (tokenizer.json, tokenizer_config.json) "
               "or a tokenizer.json file; documents end with its config's eos_token. null: "
@@ -182,7 +183,8 @@ class MeshConfig:
 @dataclass
 class ParallelConfig:
     strategy: Literal["none", "all_gather", "ulysses", "ring", "usp", "auto"] = option(
-        "none", "Context-parallel strategy; 'none' needs mesh.context == 1.")
+        "none", "Context-parallel strategy; 'none' needs mesh.context == 1, the others but "
+                "auto mesh.context >= 2.")
     load_balance: bool = option(
         True, "Reorder the sequence once on input so causal work is even across context ranks.")
     ulysses: int = option(1, "usp only: Ulysses degree inside mesh.context (ring gets the rest).")
@@ -233,7 +235,8 @@ class LossConfig:
 @dataclass
 class EvalConfig:
     source: str | None = option(
-        None, "Data `lctrain eval` reads (any data.source kind); null takes data.source.")
+        None, "Data `lctrain eval` reads (any data.source kind; a relative path is taken from "
+              "the working directory); null takes data.source.")
     batches: int = option(4, "Batches of data.batch_size sequences `lctrain eval` averages over.")
     seq_len: int | None = option(
         None, "Tokens per evaluated sequence; null takes data.seq_len. It may exceed the "
@@ -266,8 +269,10 @@ class CheckpointConfig:
 
 @dataclass
 class RuntimeConfig:
-    cpu_devices: int = option(
-        0, "Fake CPU devices to create (testing without accelerators); 0 leaves jax's default.")
+    cpu_devices: int | Literal["auto"] = option(
+        0, "Fake CPU devices to create (testing without accelerators); 0 leaves jax's default; "
+           "auto: 8 when jax would find no accelerator (no TPU or GPU device node with its jax "
+           "plugin installed, or JAX_PLATFORMS=cpu), else none.")
     log_every: int = option(10, "Print and record metrics every N steps.")
 
 

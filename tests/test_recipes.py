@@ -1,9 +1,12 @@
 """Recipe loading: types, overrides, presets and every error a user can make."""
 
 import dataclasses
+import importlib.util
 import json
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -24,7 +27,7 @@ def test_default_recipe_fills_the_tiny_preset():
     recipe = load_recipe(None)
     assert (recipe.model.layers, recipe.model.d_model, recipe.model.n_heads,
             recipe.model.n_kv_heads, recipe.model.vocab) == (2, 128, 8, 2, 128)
-    assert recipe.runtime.cpu_devices == 8
+    assert recipe.runtime.cpu_devices == "auto"
 
 
 def test_preset_values_are_overridden_field_by_field():
@@ -63,6 +66,8 @@ def test_overrides_convert_types():
     (["remat.policy=custom", "remat.tensors.attn=offload"], "remat.tensors.attn",
      "unknown tensor name"),
     (["data.source=/no/such/file.bin"], "data.source", "no such file"),
+    (["runtime.cpu_devices=many"], "runtime.cpu_devices", "expected an integer or 'auto'"),
+    (["runtime.cpu_devices=-1"], "runtime.cpu_devices", "must be >= 0 (0 = jax's default) or auto"),
     (["train.warmup_steps=-1"], "train.warmup_steps", "must be >= 0"),
 ])
 def test_bad_values_name_the_key_and_the_fix(overrides, key, words):
@@ -110,6 +115,7 @@ def test_batch_must_split_over_data_parallel_devices():
     (["run", "--set", "data.seq_len=abc"], "'data.seq_len': got 'abc'"),
     (["run", "--set", "mesh.data=3"], "multiply to 3 but there are 8 devices"),
     (["run", "--set", "mesh.context=2"], "needs mesh.context = 1"),
+    (["run", "--set", "parallel.strategy=ring"], "set mesh.context >= 2, or parallel.strategy=none"),
     (["run", "--set", "data.batch_size=4"], "'data.batch_size' = 4: must be divisible by mesh.data"),
     (["run", "no-such-recipe.yaml"], "does not exist"),
 ])
@@ -155,3 +161,113 @@ def test_llama31_8b_preset_equals_the_hub_config(tmp_path):
     differing = [f.name for f in dataclasses.fields(preset)
                  if getattr(preset, f.name) != getattr(imported, f.name)]
     assert differing == ["init", "preset"]
+
+
+def test_cpu_devices_is_a_count_or_auto():
+    assert load_recipe(None, ["runtime.cpu_devices=4"]).runtime.cpu_devices == 4
+    assert load_recipe(None, ["runtime.cpu_devices=0"]).runtime.cpu_devices == 0
+    assert load_recipe(None, ["runtime.cpu_devices=auto"]).runtime.cpu_devices == "auto"
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
+def test_a_splitting_strategy_without_a_context_axis_is_refused(strategy):
+    """mesh.context 1 (the default) with a strategy that splits the sequence used to run as
+    if parallel.strategy were none; now one line names both keys and the fix."""
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, [f"parallel.strategy={strategy}"])
+    assert str(err.value) == (
+        f"recipe key 'parallel.strategy' = '{strategy}': splits the sequence over "
+        f"mesh.context, which is 1; set mesh.context >= 2, or parallel.strategy=none")
+
+
+def test_a_context_axis_filled_to_one_device_is_refused_too():
+    recipe = load_recipe(None, ["parallel.strategy=ring", "mesh.context=-1", "mesh.data=1"])
+    with pytest.raises(RecipeError, match="'parallel.strategy' = 'ring'.*which is 1"):
+        check_against_devices(recipe, 1)
+    assert check_against_devices(recipe, 4)["context"] == 4
+
+
+def test_auto_with_one_context_device_still_loads():
+    recipe = load_recipe(None, ["parallel.strategy=auto"])
+    assert check_against_devices(recipe, 8) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
+
+
+PALLAS_8000 = ["attention.impl=pallas", "parallel.strategy=ring", "mesh.context=4",
+               "data.seq_len=8000"]
+
+
+def test_pallas_tiles_are_checked_at_load_for_tpu():
+    """Ring on 4 chips at 8000 tokens: 2000-token kernel calls, which Mosaic cannot tile
+    (no multiple of 128 divides 2000, and it exceeds a block); the strategy's check refuses
+    it in one line, as splash's layout is, where the trace used to raise a bare ValueError."""
+    from lctrain.parallel import STRATEGIES
+
+    recipe = load_recipe(None, PALLAS_8000)
+    sizes = check_against_devices(recipe, 8)
+    with pytest.raises(RecipeError) as err:
+        STRATEGIES["ring"].check(recipe, sizes, "tpu")
+    assert str(err.value) == (
+        "recipe key 'attention.impl' = 'pallas': each kernel call on TPU takes 2000 queries x "
+        "2000 keys (data.seq_len 8000, mesh.context 4), and the Pallas TPU kernel needs a "
+        "sequence length that is a multiple of 128 (or at most the block size 512); got 2000; "
+        "make data.seq_len a multiple of 512, or use attention.impl=xla")
+    # impl=auto falls back from splash (1000-token chunks) to the same Pallas kernel.
+    auto = load_recipe(None, [*PALLAS_8000, "attention.impl=auto"])
+    with pytest.raises(RecipeError, match="'attention.impl' = 'auto'"):
+        STRATEGIES["ring"].check(auto, sizes, "tpu")
+    # all_gather's calls are 2000 queries x 8000 keys: the same fix.
+    gather = load_recipe(None, [*PALLAS_8000, "parallel.strategy=all_gather"])
+    with pytest.raises(RecipeError, match="2000 queries x 8000 keys.*multiple of 512"):
+        STRATEGIES["all_gather"].check(gather, sizes, "tpu")
+    # What the message asks for works, and interpret mode (CPU) tiles any length.
+    STRATEGIES["ring"].check(load_recipe(None, [*PALLAS_8000, "data.seq_len=8192"]), sizes, "tpu")
+    STRATEGIES["ring"].check(recipe, sizes, "cpu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="TPU AOT compiles need libtpu (the tpu extra)")
+def test_pallas_tiles_stop_a_tpu_compile_before_it_starts(monkeypatch):
+    """The path `lctrain plan --compile` and a TPU run take: mesh_for on 4 v5p chips raises
+    the RecipeError before anything is traced (jax.jit is never reached)."""
+    import jax
+
+    from lctrain.parallel import aot
+    from lctrain.trainer.loop import mesh_for
+
+    recipe = load_recipe(None, [*PALLAS_8000, "mesh.data=1", "data.batch_size=1"])
+    devices = aot.topology_devices("v5p:2x2x1")
+    monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("jit before the check"))
+    with pytest.raises(RecipeError, match="'attention.impl' = 'pallas'.*multiple of 512"):
+        aot.compile_train_step(recipe, devices)
+    assert mesh_for(load_recipe(None, [*PALLAS_8000, "mesh.data=1", "data.batch_size=1",
+                                       "data.seq_len=8192"]), devices).shape["context"] == 4
+
+
+def test_relative_sources_are_taken_from_the_working_directory(tmp_path, monkeypatch):
+    from lctrain.trainer.data import DataError, make_source
+
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "tokens.npy", np.arange(1000, dtype=np.int32) % 100)
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(None, ["data.source=data/tokens.npy"])
+    assert make_source(recipe.data, vocab=128, seed=0).batch(0).inputs.shape == (8, 256)
+    missing = tmp_path / "data" / "missing.bin"
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, ["data.source=data/missing.bin"])
+    assert f"'data.source' = 'data/missing.bin': no such file or folder (looked for {missing}" \
+        in str(err.value)
+    with pytest.raises(DataError, match=f"looked for {re.escape(str(missing))}"):
+        make_source(dataclasses.replace(recipe.data, source="data/missing.bin"), vocab=128,
+                    seed=0)
+
+
+RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_memory_figures_in_recipes_agree_with_the_readme(path):
+    """A figure re-measured in a recipe's comments and not in the README (or the other way
+    round) fails here: every 'NN.NN GB' a recipe states must be one the README states."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    figures = re.findall(r"\b\d+\.\d\d GB\b", path.read_text())
+    assert [f for f in figures if f not in readme] == []

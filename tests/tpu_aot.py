@@ -2,7 +2,8 @@
 the compiler's memory figures: memory tests without a TPU.
 
 Skips the calling test when libtpu is not installed (`pip install -e ".[tpu]"`), so the
-fast suite runs without it. libtpu prints warnings about the missing TPU; they are harmless.
+fast suite runs without it. libtpu's warnings about the missing TPU are kept off the
+terminal (parallel/native_stderr.py).
 """
 
 from __future__ import annotations

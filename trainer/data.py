@@ -257,8 +257,8 @@ def make_source(cfg: DataConfig, *, vocab: int, seed: int, split: str = "train",
     path = Path(cfg.source)
     if not path.exists():
         raise DataError(
-            f"{path}: no such file or folder; set data.source to 'synthetic', a .bin/.npy "
-            f"token file, or a text file / folder of .txt files")
+            f"{path}: no such file or folder (looked for {path.absolute()}); set data.source "
+            f"to 'synthetic', a .bin/.npy token file, or a text file / folder of .txt files")
 
     if path.suffix in (".npy", ".bin"):
         tokens, eos_id = _open_token_file(path, cfg, vocab)

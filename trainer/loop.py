@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from rich.console import Console
 
-from lctrain.parallel import build_mesh, make_strategy, strategy_class
+from lctrain.parallel import build_mesh, describe_devices, make_strategy, strategy_class
 from lctrain.parallel.auto import resolve_auto
 from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.recipes import Recipe, check_against_devices
@@ -34,8 +34,8 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None) -> Me
     sizes = check_against_devices(recipe, len(devices))
     choice = resolve_auto(recipe, sizes, devices, device_memory_bytes(devices))
     if choice and console:
-        console.print(choice, soft_wrap=True)
-    strategy_class(recipe).check(recipe, sizes)
+        console.print(choice, soft_wrap=True, markup=False)
+    strategy_class(recipe).check(recipe, sizes, devices[0].platform)
     return build_mesh(sizes, recipe.parallel.ulysses, devices)
 
 
@@ -101,10 +101,11 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     order = strategy.sequence_order(recipe.data.seq_len)
     train_step = make_train_step(recipe, trainable, strategy, mesh)
     writer = MetricsWriter(run_dir, is_main, console)
-    console.print(f"model {recipe.model.name}: {count_parameters(recipe.model):,} parameters | "
+    console.print(f"{describe_devices(mesh, recipe.runtime.cpu_devices)} | "
+                  f"model {recipe.model.name}: {count_parameters(recipe.model):,} parameters | "
                   f"mesh {dict(mesh.shape)} | strategy {strategy.name} | "
                   f"attention {recipe.attention.impl} | remat {recipe.remat.policy} | "
-                  f"run dir {run_dir}", soft_wrap=True)
+                  f"run dir {run_dir}", soft_wrap=True, markup=False)
     if recipe.train.run_warmup_steps < recipe.train.warmup_steps:
         console.print(f"note: train.warmup_steps {recipe.train.warmup_steps} is not shorter "
                       f"than train.steps {recipe.train.steps}: warming up over "

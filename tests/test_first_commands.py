@@ -1,0 +1,142 @@
+"""A newcomer's first commands: the default recipe picks its devices and says which, square
+brackets in paths and names survive rich's markup, and libtpu stays quiet."""
+
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from lctrain.cli import common
+from lctrain.cli.main import app
+
+# ----------------------------------------------------------- runtime.cpu_devices=auto ----
+
+
+def test_accelerator_needs_its_device_node_and_its_jax_module(tmp_path):
+    tpu_and_gpu = {"libtpu", "jax_cuda12_plugin"}
+    assert common.accelerator_module(tmp_path, tpu_and_gpu) is None
+    (tmp_path / "vfio").mkdir()
+    (tmp_path / "vfio" / "vfio").touch()    # VFIO's control node: any host may have it
+    assert common.accelerator_module(tmp_path, tpu_and_gpu) is None
+    (tmp_path / "vfio" / "0").touch()       # a TPU v5e/v5p/v6e chip
+    assert common.accelerator_module(tmp_path, tpu_and_gpu) == "libtpu"
+    assert common.accelerator_module(tmp_path, {"jax_cuda12_plugin"}) is None  # no libtpu
+    (tmp_path / "nvidia0").touch()
+    assert common.accelerator_module(tmp_path, {"jax_cuda12_plugin"}) == "jax_cuda"
+    assert common.accelerator_module(tmp_path, set()) is None  # CPU-only jax
+    accel = tmp_path / "v4"
+    accel.mkdir()
+    (accel / "accel0").touch()              # a TPU v4 chip
+    assert common.accelerator_module(accel, {"libtpu"}) == "libtpu"
+
+
+@pytest.mark.parametrize("platforms, accelerator, count", [
+    (None, None, 8), (None, "libtpu", 0), ("cpu", "libtpu", 8), ("tpu", None, 0),
+    ("cuda,cpu", None, 0)])
+def test_auto_fakes_eight_cpu_devices_only_where_jax_finds_no_accelerator(
+        monkeypatch, platforms, accelerator, count):
+    if platforms is None:
+        monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    monkeypatch.setattr(common, "accelerator_module", lambda: accelerator)
+    assert common.fake_cpu_device_count("auto") == count
+    assert common.fake_cpu_device_count(4) == 4 and common.fake_cpu_device_count(0) == 0
+
+
+def test_first_line_of_a_run_names_its_devices_and_keeps_brackets(tmp_path):
+    """`lctrain run` with the default recipe (runtime.cpu_devices=auto; the tests' JAX_PLATFORMS
+    is cpu): the first line says what it computes on, and a run dir with square brackets
+    is shown as it is (rich took '[try]' for a style tag and printed nothing)."""
+    run_dir = tmp_path / "runs" / "[try]"
+    result = CliRunner().invoke(app, ["run", "--steps", "1", "--run-dir", str(run_dir),
+                                      "--set", "runtime.log_every=1"])
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith("devices: 8 x cpu (fake, runtime.cpu_devices=auto) | model tiny:")
+    assert first.endswith(f"run dir {run_dir}")
+
+
+# --------------------------------------------------------------- square brackets ----
+
+def test_plan_table_keeps_brackets_of_the_model_folder():
+    from lctrain.parallel import chips, planner
+    from lctrain.recipes import load_recipe
+
+    recipe = load_recipe(None, ["mesh.context=4", "mesh.data=1", "parallel.strategy=auto",
+                                "data.batch_size=1"])
+    sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+    result = planner.plan(recipe, chips.CHIPS["v5p"], sizes)
+    out = io.StringIO()
+    planner.render(result, Console(file=out, width=200), title="hf:/models/[v2], seq 256")
+    assert "hf:/models/[v2], seq 256" in out.getvalue()
+    assert f"recommended: {result.choice.name} - {result.reason}" in out.getvalue()
+
+
+def test_eval_table_keeps_brackets_of_the_run_dir():
+    from lctrain.cli.eval_report import render_table
+
+    result = {"weights": "checkpoint step 3 of runs/[try]", "tokens": 10, "seq_len": 8,
+              "loss": 1.0, "perplexity": 2.72, "accuracy": 0.5,
+              "by_position": {"edges": [0, 8], "tokens": [10], "loss": [1.0],
+                              "accuracy": [0.5]}}
+    out = io.StringIO()
+    render_table(result, Console(file=out, width=200))
+    assert "checkpoint step 3 of runs/[try]: 10 tokens" in out.getvalue()
+
+
+def test_plan_compile_without_libtpu_names_the_extra(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_libtpu(name, *args, **kwargs):
+        if name == "libtpu":
+            raise ImportError("No module named 'libtpu'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_libtpu)
+    result = CliRunner().invoke(app, ["plan", "--topology", "v5p:2x2x1", "--compile",
+                                      "--set", "mesh.context=4", "--set", "mesh.data=1",
+                                      "--set", "data.batch_size=1"])
+    assert result.exit_code == 2
+    assert result.output.strip() == (
+        "error: compiling for TPU topology 'v5p:2x2x1' needs libtpu; install the tpu extra: "
+        "pip install -e '.[tpu]'")
+
+
+# ------------------------------------------------------------------- libtpu noise ----
+
+LIBTPU_NOISE = ("Failed to find host bounds", "Logging before InitGoogle()",
+                "TPU_WORKER_HOSTNAMES", "Source Location Trace")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="TPU AOT compiles need libtpu (the tpu extra)")
+def test_topology_setup_keeps_libtpu_warnings_off_the_terminal():
+    """What `lctrain plan --compile` does first: load libtpu and describe v5p:2x2x1. libtpu
+    warns from C++ that it finds no TPU (expected here); none of it reaches stderr."""
+    code = ("from lctrain.parallel.aot import topology_devices; "
+            "print(len(topology_devices('v5p:2x2x1')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "4"
+    assert [noise for noise in LIBTPU_NOISE if noise in done.stderr] == []
+
+
+def test_native_stderr_is_shown_only_when_the_block_fails(capfd):
+    from lctrain.parallel.native_stderr import shown_only_on_failure
+
+    with shown_only_on_failure():
+        os.write(2, b"expected start-up noise\n")
+    with pytest.raises(RuntimeError), shown_only_on_failure():
+        os.write(2, b"what the library said before failing\n")
+        raise RuntimeError("failed")
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert err == "what the library said before failing\nafter\n"
