@@ -166,16 +166,7 @@ def test_hbm_bytes_subtracts_the_aliased_state_once():
     assert stats.hbm_bytes == 160
 
 
-def test_missing_libtpu_says_what_to_install(monkeypatch):
-    import builtins
-    real_import = builtins.__import__
-
-    def no_libtpu(name, *args, **kwargs):
-        if name == "libtpu":
-            raise ImportError("No module named 'libtpu'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_libtpu)
+def test_missing_libtpu_says_what_to_install(without_libtpu):
     with pytest.raises(RuntimeError, match=r"pip install -e '\.\[tpu\]'"):
         aot.topology_devices("v5p:2x2x1")
 

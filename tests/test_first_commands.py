@@ -90,16 +90,7 @@ def test_eval_table_keeps_brackets_of_the_run_dir():
     assert "checkpoint step 3 of runs/[try]: 10 tokens" in out.getvalue()
 
 
-def test_plan_compile_without_libtpu_names_the_extra(monkeypatch):
-    import builtins
-    real_import = builtins.__import__
-
-    def no_libtpu(name, *args, **kwargs):
-        if name == "libtpu":
-            raise ImportError("No module named 'libtpu'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_libtpu)
+def test_plan_compile_without_libtpu_names_the_extra(without_libtpu):
     result = CliRunner().invoke(app, ["plan", "--topology", "v5p:2x2x1", "--compile",
                                       "--set", "mesh.context=4", "--set", "mesh.data=1",
                                       "--set", "data.batch_size=1"])
