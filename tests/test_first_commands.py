@@ -131,3 +131,40 @@ def test_native_stderr_is_shown_only_when_the_block_fails(capfd):
     os.write(2, b"after\n")
     err = capfd.readouterr().err
     assert err == "what the library said before failing\nafter\n"
+
+
+# Reruns in a used run dir: the run dir's recipe.yaml against the new recipe, first thing.
+RERUN = ["--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set",
+         "train.warmup_steps=1", "--set", "runtime.log_every=1", "--set", "checkpoint.every=2"]
+
+
+def rerun(run_dir, *extra):
+    return CliRunner().invoke(app, ["run", "--run-dir", str(run_dir), *RERUN, *extra])
+
+
+def test_reruns_finish_continue_or_name_what_changed(tmp_path):
+    first = rerun(tmp_path, "--steps", "2")
+    assert first.exit_code == 0, first.output
+
+    finished = rerun(tmp_path, "--steps", "2")
+    assert finished.exit_code == 0
+    assert f"run dir {tmp_path} is finished: step 2 of train.steps 2" in finished.output
+    assert "step 3" not in finished.output
+
+    longer = rerun(tmp_path, "--steps", "3")
+    assert longer.exit_code == 0, longer.output
+    assert "train.steps 2 -> 3: the cosine decay now runs over 3 steps" in longer.output
+    assert "resumed from checkpoint at step 2" in longer.output and "step 3/3" in longer.output
+
+    # Another mesh and kernel only change how the same run computes: allowed.
+    moved = rerun(tmp_path, "--steps", "4", "--set", "parallel.strategy=ring",
+                  "--set", "mesh.context=4")
+    assert moved.exit_code == 0, moved.output
+
+    for key, value, before in [("data.seq_len", "64", "32"), ("model.layers", "3", "2"),
+                               ("train.lr", "0.1", "0.003")]:
+        changed = rerun(tmp_path, "--steps", "5", "--set", f"{key}={value}")
+        lines = [line for line in changed.output.splitlines() if line.strip()]
+        assert changed.exit_code == 2 and len(lines) == 1, changed.output
+        assert f"{key} {before} -> {value}" in lines[0].replace("'", "")
+    assert not (tmp_path / "checkpoints" / "5").exists()

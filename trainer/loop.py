@@ -23,6 +23,7 @@ from .checkpoint import Checkpointer
 from .data import Batch, DataSource, make_source
 from .metrics import MetricsWriter, peak_flops, training_flops_per_token
 from .model import count_parameters
+from .resume import check_rerun
 from .step import (BATCH_FIELDS, TrainState, build_trainable, batch_shardings, initial_state,
                    make_train_step)
 
@@ -83,6 +84,7 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     latest checkpoint; returns the metrics records it logged."""
     is_main = jax.process_index() == 0
     console = Console(quiet=True) if not is_main else console or Console()
+    rerun_note = check_rerun(recipe, run_dir)
     mesh = mesh_for(recipe, devices, console)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed,
                          holdout=recipe.eval.data_holdout)
@@ -98,6 +100,14 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
         (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     checkpointer = Checkpointer(run_dir / "checkpoints", recipe.checkpoint)
     state, next_batch = _initial_state(recipe, trainable, checkpointer, console)
+    if int(state.step) >= recipe.train.steps:
+        checkpointer.close()
+        console.print(f"run dir {run_dir} is finished: step {int(state.step)} of train.steps "
+                      f"{recipe.train.steps}; raise train.steps (--steps N) to train on",
+                      markup=False, soft_wrap=True)
+        return []
+    if rerun_note:
+        console.print(rerun_note, markup=False, soft_wrap=True)
     order = strategy.sequence_order(recipe.data.seq_len)
     train_step = make_train_step(recipe, trainable, strategy, mesh)
     writer = MetricsWriter(run_dir, is_main, console)
