@@ -4,6 +4,7 @@ and accuracy against position (log x axis)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from rich.console import Console
@@ -23,7 +24,7 @@ def render_table(result: dict, console: Console) -> None:
         if tokens:
             loss = buckets["loss"][i]
             table.add_row(f"{edges[i]:,}-{edges[i + 1] - 1:,}", f"{tokens:,}", f"{loss:.4f}",
-                          f"{2.718281828459045 ** loss:.2f}", f"{buckets['accuracy'][i]:.3f}")
+                          f"{math.exp(loss):.2f}", f"{buckets['accuracy'][i]:.3f}")
     table.add_row("all", f"{result['tokens']:,}", f"{result['loss']:.4f}",
                   f"{result['perplexity']:.2f}", f"{result['accuracy']:.3f}", style="bold")
     console.print(table)

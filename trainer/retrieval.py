@@ -23,6 +23,7 @@ import numpy as np
 from lctrain.recipes.schema import Recipe, RecipeError
 
 from .data import BYTE_EOS, Batch, DataSource, encode_text
+from .step import BATCH_FIELDS
 from .tokenizer import data_tokenizer
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -159,6 +160,4 @@ class OneBatch:
 
     def batch(self, index: int, rows: slice | None = None) -> Batch:
         rows = rows if rows is not None else slice(None)
-        return Batch(*(field[rows] for field in (
-            self._batch.inputs, self._batch.targets, self._batch.positions,
-            self._batch.segment_ids, self._batch.loss_mask)))
+        return Batch(*(getattr(self._batch, name)[rows] for name in BATCH_FIELDS))
