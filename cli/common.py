@@ -20,6 +20,11 @@ console = Console()
 error_console = Console(stderr=True)
 
 
+class DEBUG:
+    """`lctrain --debug`: tracebacks for expected failures too."""
+    enabled = False
+
+
 # Options several commands share.
 SETS = typer.Option([], "--set", help="Override a recipe key: section.key=value.")
 COORDINATOR = typer.Option(
@@ -42,15 +47,18 @@ def start(cpu_devices: int | str, coordinator: Optional[str], num_processes: Opt
 
 
 def attempt(action: Callable[[], T]) -> T:
-    """action(), with the errors a user can cause (a bad recipe, bad data) turned into one
-    line and exit 2."""
-    from lctrain.recipes import RecipeError
-    from lctrain.trainer.data import DataError  # numpy only: safe before jax starts
+    """action(), with the failures a user can act on (a bad recipe or data, out of memory,
+    an unreadable checkpoint or file) turned into one line and exit 2 or 1; a bug keeps its
+    traceback, and with --debug every failure does."""
+    from lctrain.trainer.failures import explain  # jax-free: safe before jax starts
 
     try:
         return action()
-    except (RecipeError, DataError) as err:
-        fail(str(err))
+    except Exception as err:
+        explained = explain(err)
+        if explained is None or DEBUG.enabled:
+            raise
+        fail(*explained)
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -15,14 +15,18 @@ from rich.console import Console
 
 from lctrain.recipes import RecipeError, load_recipe
 
-from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
-                     default_run_dir, error_console, fail, start)
+from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt,
+                     console, default_run_dir, error_console, fail, start)
 from . import models, tokenize  # noqa: F401  registers their commands
 
 
 @app.callback()
-def main() -> None:
+def main(debug: bool = typer.Option(
+        False, "--debug", envvar="LCTRAIN_DEBUG",
+        help="Show the Python traceback of expected failures too (out of memory, "
+             "unreadable checkpoints or files), not just their one line.")) -> None:
     """Long-context language-model training with context parallelism."""
+    DEBUG.enabled = debug
 
 
 @app.command()
@@ -42,12 +46,9 @@ def run(
     overrides = list(set_) + ([f"train.steps={steps}"] if steps is not None else [])
     loaded = attempt(lambda: load_recipe(recipe, overrides))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
-    from lctrain.trainer.loop import NonFiniteLoss, train
+    from lctrain.trainer.loop import train
 
-    try:
-        attempt(lambda: train(loaded, run_dir or default_run_dir(recipe), console))
-    except NonFiniteLoss as err:
-        fail(str(err), code=1)
+    attempt(lambda: train(loaded, run_dir or default_run_dir(recipe), console))
 
 
 @app.command()
@@ -89,6 +90,11 @@ def plan(
     except RecipeError as err:
         fail(str(err))
     platform = "gpu" if chip.name in ("h100", "h200") else "tpu"
+    from lctrain.trainer.progress import timed
+
+    def compile_timer(label: str):
+        return timed(error_console, label)
+
     result = planner.plan(loaded, chip, sizes, platform)
     devices = None
     if compile_:
@@ -100,8 +106,9 @@ def plan(
             devices = aot.topology_devices(topology)
         except (RuntimeError, ValueError) as err:
             fail(str(err))
-        planner.attach_compiled(result, loaded, devices, progress=error_console.print)
-    longest = planner.longest_sequences(result, loaded, platform, devices) if max_seq else {}
+        planner.attach_compiled(result, loaded, devices, timed=compile_timer)
+    longest = (planner.longest_sequences(result, loaded, platform, devices, compile_timer)
+               if max_seq else {})
     if as_json:
         out = result.as_json()
         if max_seq:

@@ -12,7 +12,7 @@ import typer
 from lctrain.recipes import load_recipe, load_run_recipe
 
 from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
-                     default_run_dir, fail, start)
+                     default_run_dir, error_console, fail, start)
 from .eval_report import render_table, write_outputs
 
 DTYPES = ("bfloat16", "float32")
@@ -39,7 +39,8 @@ def export(
 
     from lctrain.trainer.hf_export import export_run
 
-    files, origin = attempt(lambda: export_run(recipe, run_dir, out_dir, step, dtype))
+    files, origin = attempt(lambda: export_run(recipe, run_dir, out_dir, step, dtype,
+                                               error_console))
     if jax.process_index() == 0:
         console.print(f"exported {origin} to {out_dir}: {', '.join(files)}", soft_wrap=True,
                       markup=False)
@@ -73,7 +74,8 @@ def eval_(
 
     from lctrain.trainer.evaluate import evaluate
 
-    result = attempt(lambda: evaluate(loaded, run_dir, step, console))
+    # Progress on stderr: stdout keeps only the table or the JSON.
+    result = attempt(lambda: evaluate(loaded, run_dir, step, error_console))
     if jax.process_index() != 0:
         return
     written = write_outputs(result, out or run_dir / "eval")

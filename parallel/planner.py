@@ -88,7 +88,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Iterable
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Iterable
 
 from lctrain import kernels
 from lctrain.kernels import splash
@@ -939,14 +940,20 @@ def compiled_fits(figures: dict, chip: Chip) -> bool:
             and (figures.get("host_bytes") or 0) <= chip.host_bytes)
 
 
+# What the compiling functions wrap each compile in, given its label (the CLI shows a
+# spinner and the elapsed time: each compile can take minutes).
+Timer = Callable[[str], ContextManager]
+
+
 def attach_compiled(result: Plan, recipe: Recipe, devices,
-                    progress: Callable[[str], None] = lambda _: None) -> None:
-    """Compiles every strategy of the plan for `devices`, records XLA's figures (telling
-    `progress` which one it starts: each can take minutes) and recommends again by them."""
+                    timed: Timer = lambda _: nullcontext()) -> None:
+    """Compiles every strategy of the plan for `devices`, records XLA's figures and
+    recommends again by them."""
     for strategy_plan in result.plans:
-        progress(f"compiling {strategy_plan.name} for {len(devices)} devices ...")
         variant = recipe_for_strategy(recipe, strategy_plan.strategy, strategy_plan.ulysses)
-        strategy_plan.compiled = compile_figures(variant, devices)
+        with timed(f"compiled {strategy_plan.name}, seq {recipe.data.seq_len:,}, for "
+                   f"{len(devices)} devices"):
+            strategy_plan.compiled = compile_figures(variant, devices)
     result.choice, result.reason = recommend(result.plans)
 
 
@@ -954,7 +961,7 @@ def attach_compiled(result: Plan, recipe: Recipe, devices,
 
 def max_seq_len(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: str,
                 ulysses: int = 1, platform: str = "tpu", devices=None,
-                bisect_steps: int | None = None) -> int:
+                bisect_steps: int | None = None, timed: Timer = lambda _: nullcontext()) -> int:
     """Longest sequence (a multiple of sequence_quantum) this strategy fits at, from the
     estimate, or by compiling when `devices` (a TPU topology) are given."""
     variant = recipe_for_strategy(recipe, strategy, ulysses)
@@ -962,7 +969,8 @@ def max_seq_len(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy
     def fits(seq_len: int) -> bool:
         candidate = with_seq_len(variant, seq_len)
         if devices is not None:
-            return compiled_fits(compile_figures(candidate, devices), chip)
+            with timed(f"compiled {variant.parallel.strategy}, seq {seq_len:,}"):
+                return compiled_fits(compile_figures(candidate, devices), chip)
         return estimate(candidate, axis_sizes, chip, strategy, ulysses, platform).fits
 
     quantum = sequence_quantum(recipe, axis_sizes)
@@ -977,7 +985,8 @@ COMPILED_BISECT_STEPS = 3
 
 
 def longest_sequences(result: Plan, recipe: Recipe, platform: str = "tpu",
-                      devices=None) -> dict[str, dict[str, int]]:
+                      devices=None, timed: Timer = lambda _: nullcontext()
+                      ) -> dict[str, dict[str, int]]:
     """{strategy name: {"estimated": longest sequence, "compiled": ... (with `devices`)}}
     for every plan of `result`."""
     longest = {}
@@ -986,7 +995,8 @@ def longest_sequences(result: Plan, recipe: Recipe, platform: str = "tpu",
                                    p.strategy, p.ulysses, platform)
         longest[p.name] = {"estimated": search()}
         if devices is not None:
-            longest[p.name]["compiled"] = search(devices, bisect_steps=COMPILED_BISECT_STEPS)
+            longest[p.name]["compiled"] = search(devices, bisect_steps=COMPILED_BISECT_STEPS,
+                                                 timed=timed)
     return longest
 
 

@@ -2,12 +2,20 @@
 
 import builtins
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# `python -m pytest` from the repo root puts the root on sys.path, where our kernels/ folder
+# shadows Hugging Face's `kernels` package that transformers looks for; lctrain itself is
+# imported as the installed lctrain.* package, never from there.
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 
 
 @pytest.fixture

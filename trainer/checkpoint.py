@@ -6,6 +6,7 @@ mid-save leaves the previous checkpoint as the latest one.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
@@ -13,14 +14,16 @@ import orbax.checkpoint as ocp
 
 from lctrain.recipes.schema import CheckpointConfig
 
+from .failures import CheckpointError, is_out_of_memory
 from .step import TrainState
 
 
 class Checkpointer:
     def __init__(self, directory: Path, cfg: CheckpointConfig):
         self.every = cfg.every
+        self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(
-            Path(directory).absolute(),
+            self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
                                                  enable_async_checkpointing=True))
 
@@ -30,8 +33,9 @@ class Checkpointer:
     def restore(self, abstract_state: TrainState) -> tuple[TrainState, int]:
         """The latest complete checkpoint as (state, index of the next data batch)."""
         step = self.manager.latest_step()
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        with self._reading(step):
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return TrainState(*restored.state), int(restored.data["next_batch"])
 
     def restore_params(self, abstract_params: dict, step: int | None = None) -> dict:
@@ -40,11 +44,27 @@ class Checkpointer:
         step = self.manager.latest_step() if step is None else step
         restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
                                     abstract_params)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item={"params": abstract_params},
-                                         restore_args={"params": restore_args},
-                                         partial_restore=True)))
+        with self._reading(step):
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item={"params": abstract_params},
+                                             restore_args={"params": restore_args},
+                                             partial_restore=True)))
         return restored.state["params"]
+
+    @contextmanager
+    def _reading(self, step: int):
+        """Orbax's failures (a file deleted or truncated, shapes that do not match) as one
+        CheckpointError naming the step's folder; out-of-memory passes through as it is."""
+        try:
+            yield
+        except Exception as err:
+            if is_out_of_memory(err):
+                raise
+            first_line = (str(err).strip().splitlines() or [""])[0][:300]
+            raise CheckpointError(
+                f"{self.directory / str(step)}: cannot restore checkpoint step {step} "
+                f"({type(err).__name__}: {first_line}); delete that folder to resume from the "
+                f"checkpoint before it, or use a new run dir") from err
 
     def save(self, state: TrainState, step: int, next_batch: int, *, force: bool = False) -> bool:
         """Saves when `step` is on the interval (or forced); returns whether it saved."""

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
-from rich.progress import Progress
 
 from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
@@ -25,6 +24,7 @@ from lctrain.recipes.schema import Recipe
 from .data import make_source
 from .loop import device_batch, mesh_for
 from .loss import token_scores
+from .progress import Bar, tracked
 from .retrieval import OneBatch, cell_batches, grid
 from .step import build_trainable, make_forward
 from .weights import load_weights
@@ -90,13 +90,10 @@ class Evaluator:
     def __call__(self, params, origin: str, console: Console | None = None) -> dict:
         totals = {name: np.zeros(len(self.edges) - 1) for name in ("loss", "correct", "tokens")}
         batches = self.recipe.eval.batches
-        with Progress(console=console or Console(quiet=True), transient=True) as progress:
-            task = progress.add_task(f"eval ({origin})", total=batches)
-            for index in range(batches):
-                batch = device_batch(self.source, index, self.order, self.mesh)
-                for name, values in jax.device_get(self.bucket_sums(params, batch)).items():
-                    totals[name] += values
-                progress.advance(task)
+        for index in tracked(console, range(batches), f"eval ({origin})"):
+            batch = device_batch(self.source, index, self.order, self.mesh)
+            for name, values in jax.device_get(self.bucket_sums(params, batch)).items():
+                totals[name] += values
         result = summary(totals, self.edges, self.recipe, origin)
         if self.recipe.eval.task != "loss":
             result["retrieval"] = self.retrieval(params, origin, console)
@@ -108,15 +105,13 @@ class Evaluator:
         accuracy = np.zeros((len(lengths), len(depths)))
         filler = None if self.recipe.data.source == "synthetic" else self.source
         cells = cell_batches(self.recipe, filler, self.recipe.train.seed)
-        with Progress(console=console or Console(quiet=True), transient=True) as progress:
-            task = progress.add_task(f"{self.recipe.eval.task} ({origin})",
-                                     total=accuracy.size)
+        with Bar(console, f"{self.recipe.eval.task} ({origin})", accuracy.size) as bar:
             for cell, (_, _, batch) in enumerate(cells):
                 source = OneBatch(self.recipe.data, batch)
                 hits, needed = jax.device_get(self.retrieval_scores(
                     params, device_batch(source, 0, self.order, self.mesh)))
                 accuracy.flat[cell] = float(np.mean(hits == needed))
-                progress.advance(task)
+                bar.advance()
         return {"task": self.recipe.eval.task, "lengths": lengths, "depths": depths,
                 "accuracy": accuracy.tolist(), "mean": float(accuracy.mean()),
                 "samples_per_cell": self.recipe.data.batch_size}
@@ -141,7 +136,7 @@ def evaluate(recipe: Recipe, run_dir: Path | None, step: int | None = None,
     """`lctrain eval`: the run dir's checkpoint (or model.init's weights) evaluated."""
     mesh = mesh_for(recipe, console=console)  # checks eval.seq_len against the mesh too
     trainable = build_trainable(recipe, mesh)
-    params, origin = load_weights(recipe, trainable, run_dir, step)
+    params, origin = load_weights(recipe, trainable, run_dir, step, console)
     return Evaluator(recipe, mesh, trainable.graphdef)(params, origin, console)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from lctrain.recipes.schema import ModelConfig, RecipeError
 
+from .progress import tracked
 from .safetensors_io import SafetensorsError, SafetensorsFolder
 
 # Layouts, ours against Hugging Face's, per layer:
@@ -130,9 +131,10 @@ def _from_hf(layout: str, block: np.ndarray, head_dim: int) -> np.ndarray:
     return block
 
 
-def load_params(cfg: ModelConfig, shardings: dict, abstract_params: dict) -> dict:
+def load_params(cfg: ModelConfig, shardings: dict, abstract_params: dict,
+                console=None) -> dict:
     """The parameters of model.init=hf:<dir>, as float32 arrays with `shardings`: each
-    device's block read from the files on the process that holds it."""
+    device's block read from the files on the process that holds it (a bar on `console`)."""
     folder = cfg.hf_dir
     try:
         files = SafetensorsFolder(folder)
@@ -143,7 +145,7 @@ def load_params(cfg: ModelConfig, shardings: dict, abstract_params: dict) -> dic
     ignored = IGNORED_SUFFIXES + (("lm_head.weight",) if cfg.tie_embeddings else ())
     _check_names_and_shapes(files, tensors, abstract_params, cfg.layers, folder, ignored)
     params: dict = {}
-    for tensor in tensors:
+    for tensor in tracked(console, tensors, f"loading {folder}"):
         shape = leaf_at(abstract_params, tensor.path).shape
         array = jax.make_array_from_callback(
             shape, leaf_at(shardings, tensor.path),

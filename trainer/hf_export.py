@@ -22,6 +22,7 @@ from .hf_checkpoint import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
 from .hf_config import config_json
 from .safetensors_io import write_folder
 from .loop import mesh_for
+from .progress import Bar
 from .step import build_trainable
 from .tokenizer import DocumentTokenizer, data_tokenizer
 from .weights import load_weights
@@ -31,16 +32,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def export_run(recipe: Recipe, run_dir: Path, out_dir: Path, step: int | None = None,
-               dtype: str = "bfloat16") -> tuple[list[str], str]:
+               dtype: str = "bfloat16", console=None) -> tuple[list[str], str]:
     """A run's checkpoint (the latest, or `step`) as a Hugging Face folder; returns the
-    files written and which checkpoint it was."""
+    files written and which checkpoint it was. Progress goes to `console`."""
     mesh = mesh_for(recipe)
-    params, origin = load_weights(recipe, build_trainable(recipe, mesh), run_dir, step)
-    return export_hf(recipe, params, out_dir, dtype), origin
+    params, origin = load_weights(recipe, build_trainable(recipe, mesh), run_dir, step,
+                                  console)
+    return export_hf(recipe, params, out_dir, dtype, console=console), origin
 
 
 def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat16",
-              max_shard_bytes: int = 5 * 2**30) -> list[str]:
+              max_shard_bytes: int = 5 * 2**30, console=None) -> list[str]:
     """Writes the folder; returns the names of the files written."""
     is_main = jax.process_index() == 0
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -58,9 +60,11 @@ def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat1
     def values(name: str) -> np.ndarray:
         tensor, layer = located[name]
         leaf = leaf_at(params, tensor.path)
+        bar.advance()
         return to_hf(tensor.layout, _on_host(leaf if layer is None else leaf[layer]))
 
-    write_folder(out_dir, shapes, DTYPES[dtype], values, max_shard_bytes, write=is_main)
+    with Bar(console if is_main else None, f"writing {out_dir}", len(shapes)) as bar:
+        write_folder(out_dir, shapes, DTYPES[dtype], values, max_shard_bytes, write=is_main)
     if is_main:
         tokenizer = data_tokenizer(recipe.data)
         special = {}

@@ -21,8 +21,10 @@ from lctrain.recipes import Recipe, check_against_devices
 
 from .checkpoint import Checkpointer
 from .data import Batch, DataSource, make_source
+from .failures import RunFailure
 from .metrics import MetricsWriter, peak_flops, training_flops_per_token
 from .model import count_parameters
+from .progress import Bar, timed
 from .resume import check_rerun
 from .step import (BATCH_FIELDS, TrainState, build_trainable, batch_shardings, initial_state,
                    make_train_step)
@@ -119,7 +121,7 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     if recipe.train.run_warmup_steps < recipe.train.warmup_steps:
         console.print(f"note: train.warmup_steps {recipe.train.warmup_steps} is not shorter "
                       f"than train.steps {recipe.train.steps}: warming up over "
-                      f"{recipe.train.run_warmup_steps} steps")
+                      f"{recipe.train.run_warmup_steps} steps", soft_wrap=True)
     try:
         records = _run_steps(recipe, state, next_batch, source, order, mesh, train_step,
                              checkpointer, writer, evaluator)
@@ -130,14 +132,14 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
 
 
 def _initial_state(recipe: Recipe, trainable, checkpointer: Checkpointer, console: Console):
-    if checkpointer.latest_step() is None:
-        return initial_state(recipe, trainable), 0
-    state, next_batch = checkpointer.restore(trainable.abstract_state)
-    console.print(f"resumed from checkpoint at step {int(state.step)}")
-    return state, next_batch
+    latest = checkpointer.latest_step()
+    if latest is None:
+        return initial_state(recipe, trainable, console), 0
+    with timed(console, f"resumed from checkpoint at step {latest}"):
+        return checkpointer.restore(trainable.abstract_state)
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(RunFailure):
     """The loss or gradients of a step were not finite and train.on_nonfinite is 'stop'."""
 
 
@@ -199,7 +201,7 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
     throughput = Throughput(recipe, mesh)
     records = []
     step = first_step = int(state.step)
-    with StopSignal() as stop:
+    with StopSignal() as stop, Bar(console, "train", total, step, summary=False) as bar:
         while step < total:
             state, metrics = train_step(state, device_batch(source, next_batch, order, mesh))
             step, next_batch = step + 1, next_batch + 1
@@ -211,23 +213,37 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
                 throughput.restart()
             if not bool(metrics["finite"]):
                 _on_nonfinite(recipe, step, metrics, checkpointer, console)
+            figures = None
             if step % recipe.runtime.log_every == 0 or step == total:
                 record = {k: float(v) for k, v in jax.device_get(metrics).items()
                           if k != "finite"}
                 record.update(throughput.report())
                 writer.write(step, total, record)
                 records.append({"step": step, **record})
+                figures = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s"
+            bar.advance(figures)
             if evaluator and step % recipe.eval.every == 0:
                 # Before the checkpoint of this step: a run resumed from it never repeats
                 # this evaluation, and one killed before it redoes the steps and it alike.
                 writer.write_eval(step, evaluator(state.params, f"step {step}", console))
                 throughput.restart()
             stopping = stop.agreed()
-            checkpointer.save(state, step, next_batch, force=step == total or stopping)
+            _save(checkpointer, state, step, next_batch, step == total or stopping, console)
             if stopping:
                 console.print(f"SIGTERM: checkpoint saved at step {step}; exiting")
                 break
     return records
+
+
+def _save(checkpointer: Checkpointer, state: TrainState, step: int, next_batch: int,
+          force: bool, console: Console) -> None:
+    """Saves when due; the devices wait only for the copy to the host, orbax writes the
+    files in the background."""
+    start = time.perf_counter()
+    if checkpointer.save(state, step, next_batch, force=force):
+        console.print(f"checkpoint at step {step}: copied off the devices in "
+                      f"{time.perf_counter() - start:.1f} s, writing in the background",
+                      soft_wrap=True)
 
 
 def _on_nonfinite(recipe: Recipe, step: int, metrics, checkpointer: Checkpointer,

@@ -65,10 +65,12 @@ class MetricsWriter:
         self.jsonl.flush()
         for name, value in record.items():
             self.tensorboard.add_scalar(name, value, step)
+        retrieval = "".join(f" | {name[5:]} {value:.3f}" for name, value in record.items()
+                            if name.endswith("_accuracy"))
         self.console.print(f"eval at step {step} | loss {record['eval/loss']:.4f} | "
                            f"perplexity {record['eval/perplexity']:.2f} | accuracy "
                            f"{record['eval/accuracy']:.3f} | {int(record['eval/tokens']):,} "
-                           f"held-out tokens", soft_wrap=True)
+                           f"held-out tokens{retrieval}", soft_wrap=True)
 
     def close(self) -> None:
         if self.enabled:

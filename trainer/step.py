@@ -77,7 +77,7 @@ def build_trainable(recipe: Recipe, mesh: Mesh) -> Trainable:
     return Trainable(graphdef, optimizer, init, start_from, abstract_state, shardings)
 
 
-def initial_state(recipe: Recipe, trainable: Trainable) -> TrainState:
+def initial_state(recipe: Recipe, trainable: Trainable, console=None) -> TrainState:
     """Step 0: random parameters, or model.init's Hugging Face weights read straight into
     their shards; the optimizer starts fresh either way."""
     if recipe.model.hf_dir is None:
@@ -85,7 +85,7 @@ def initial_state(recipe: Recipe, trainable: Trainable) -> TrainState:
     from .hf_checkpoint import load_params
 
     params = load_params(recipe.model, trainable.state_shardings.params,
-                         trainable.abstract_state.params)
+                         trainable.abstract_state.params, console)
     return trainable.start_from(params)
 
 

@@ -9,12 +9,14 @@ from pathlib import Path
 from lctrain.recipes.schema import Recipe, RecipeError
 
 from .checkpoint import Checkpointer
+from .progress import timed
 from .step import Trainable
 
 
 def load_weights(recipe: Recipe, trainable: Trainable, run_dir: Path | None,
-                 step: int | None = None) -> tuple[dict, str]:
-    """(parameters in the trainable's shardings, where they came from)."""
+                 step: int | None = None, console=None) -> tuple[dict, str]:
+    """(parameters in the trainable's shardings, where they came from); progress on
+    `console`."""
     abstract = trainable.abstract_state.params
     checkpoints = Path(run_dir) / "checkpoints" if run_dir else None
     if checkpoints and checkpoints.is_dir():
@@ -26,7 +28,8 @@ def load_weights(recipe: Recipe, trainable: Trainable, run_dir: Path | None,
                 if chosen not in saved:
                     raise RecipeError(f"--step {step}: {checkpoints} has no such checkpoint; "
                                       f"saved steps: {', '.join(map(str, sorted(saved)))}")
-                params = checkpointer.restore_params(abstract, chosen)
+                with timed(console, f"loaded checkpoint {run_dir} step {chosen}"):
+                    params = checkpointer.restore_params(abstract, chosen)
                 return params, f"{run_dir} step {chosen}"
         finally:
             checkpointer.close()
@@ -39,5 +42,5 @@ def load_weights(recipe: Recipe, trainable: Trainable, run_dir: Path | None,
                           f"model.init=hf:<dir>")
     from .hf_checkpoint import load_params
 
-    return (load_params(recipe.model, trainable.state_shardings.params, abstract),
+    return (load_params(recipe.model, trainable.state_shardings.params, abstract, console),
             recipe.model.init)

@@ -1,0 +1,136 @@
+"""Expected failures are one line (out of memory with its figure, an unreadable checkpoint,
+a file), bugs keep their traceback, `--debug` shows it for all; long work shows progress."""
+
+import contextlib
+import io
+import shutil
+
+import jax
+import jax.numpy as jnp
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from lctrain.cli.main import app
+from lctrain.parallel import chips, planner
+from lctrain.recipes import check_against_devices, load_recipe
+from lctrain.trainer import loop
+from lctrain.trainer.failures import explain, out_of_memory_message
+from lctrain.trainer.progress import Bar, tracked
+
+SHORT = ["--set", "data.seq_len=64", "--set", "runtime.log_every=1"]
+
+
+def allocating_too_much(*args):
+    """A train step that asks XLA for 16 TiB: the CPU allocator's real RESOURCE_EXHAUSTED."""
+    def step(state, batch):
+        return jax.jit(lambda: jnp.ones((2**42,), jnp.float32))()
+    return step
+
+
+def test_out_of_memory_is_one_line_with_the_figure_and_the_planner(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "make_train_step", allocating_too_much)
+    result = CliRunner().invoke(app, ["run", "--steps", "2", "--run-dir", str(tmp_path), *SHORT])
+    assert result.exit_code == 1, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert error == [line for line in result.output.splitlines()[-1:]]  # the last line only
+    assert "out of device memory: a device could not allocate 16,384.00 GiB" in error[0]
+    assert "lctrain plan" in error[0] and "Traceback" not in result.output
+
+
+def test_debug_shows_the_traceback_of_an_expected_failure(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "make_train_step", allocating_too_much)
+    result = CliRunner().invoke(app, ["--debug", "run", "--steps", "2", "--run-dir",
+                                      str(tmp_path), *SHORT])
+    assert type(result.exception).__name__ == "JaxRuntimeError"
+    assert "RESOURCE_EXHAUSTED" in str(result.exception) and "error:" not in result.output
+
+
+def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
+    def broken(*args):
+        raise ZeroDivisionError("a bug")
+    monkeypatch.setattr(loop, "make_train_step", broken)
+    result = CliRunner().invoke(app, ["run", "--steps", "2", "--run-dir", str(tmp_path), *SHORT])
+    assert isinstance(result.exception, ZeroDivisionError) and result.exit_code == 1
+
+
+def test_compiler_out_of_memory_gives_needed_and_available_hbm():
+    # The TPU compiler's wording (a compile of llama3.1-8b at 4M tokens on v5p:2x2x1).
+    err = type("JaxRuntimeError", (RuntimeError,), {})(
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+        "space hbm. Used 97.24G of 95.74G hbm. Exceeded hbm capacity by 1.50G.")
+    assert "needs 97.24G per device of 95.74G hbm" in out_of_memory_message(err)
+    assert explain(err)[1] == 1
+    assert explain(MemoryError())[0].startswith("out of host memory")
+    assert explain(PermissionError(13, "Permission denied", "/runs/x")) == (
+        "/runs/x: Permission denied", 1)
+    assert explain(KeyError("a bug")) is None
+
+
+def test_unreadable_checkpoint_names_its_folder(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--steps", "2", "--run-dir", str(tmp_path), *SHORT])
+    assert result.exit_code == 0, result.output
+    step_dir = tmp_path / "checkpoints" / "2"
+    for array_files in step_dir.glob("state/*"):   # the arrays' data, not the metadata
+        if array_files.is_dir():
+            shutil.rmtree(array_files)
+    again = CliRunner().invoke(app, ["run", "--steps", "4", "--run-dir", str(tmp_path), *SHORT])
+    assert again.exit_code == 1, again.output
+    assert f"{step_dir}: cannot restore checkpoint step 2" in again.output
+    assert "Traceback" not in again.output
+
+
+# ------------------------------------------------------------------- progress ----
+
+def test_bar_draws_on_a_terminal_and_prints_one_line_elsewhere():
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=120)
+    pipe = Console(file=io.StringIO(), force_terminal=False, width=120)
+    assert list(tracked(terminal, [1, 2, 3], "loading x")) == [1, 2, 3]
+    assert list(tracked(pipe, [1, 2, 3], "loading x")) == [1, 2, 3]
+    assert "3/3" in terminal.file.getvalue()
+    lines = pipe.file.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loading x: ") and lines[0].endswith(" s")
+    with Bar(pipe, "quiet", 2, summary=False) as bar:
+        bar.advance("loss 1.0")
+    assert pipe.file.getvalue().splitlines() == lines   # nothing added without a terminal
+
+
+def test_run_shows_a_bar_with_loss_and_throughput_on_a_terminal_only(tmp_path):
+    recipe = load_recipe(None, ["train.steps=3", "train.warmup_steps=1", "data.seq_len=64",
+                                "runtime.log_every=1"])
+    terminal = Console(file=io.StringIO(), force_terminal=True, color_system=None, width=200)
+    loop.train(recipe, tmp_path / "tty", terminal)
+    drawn = terminal.file.getvalue()
+    assert "3/3" in drawn and "ETA" in drawn and "tok/s" in drawn
+    assert "step 3/3 | loss" in drawn                    # the log lines stay
+    pipe = Console(file=io.StringIO(), force_terminal=False, width=200)
+    loop.train(recipe, tmp_path / "pipe", pipe)
+    logged = pipe.file.getvalue()
+    assert "ETA" not in logged and "\x1b" not in logged and "step 3/3 | loss" in logged
+
+
+def test_plan_compiles_are_each_timed(monkeypatch):
+    """--compile and --max-seq wrap every compile in the CLI's timer, named by strategy and
+    sequence (each can take minutes)."""
+    recipe = load_recipe(None, ["parallel.strategy=auto", "mesh.context=4", "mesh.data=1",
+                                "data.seq_len=4096", "data.batch_size=1"])
+    result = planner.plan(recipe, chips.chip_named("v5p:2x2x1").per_device(),
+                          check_against_devices(recipe, 4), "tpu")
+    monkeypatch.setattr(planner, "compile_figures",
+                        lambda candidate, devices: {"hbm_bytes": 2**30 if
+                                                    candidate.data.seq_len <= 8192 else 2**40,
+                                                    "host_bytes": 0, "collective_bytes": {},
+                                                    "temp_bytes": 0, "argument_bytes": 0})
+    labels = []
+
+    def timer(label):
+        labels.append(label)
+        return contextlib.nullcontext()
+
+    planner.attach_compiled(result, recipe, devices=[None] * 4, timed=timer)
+    assert labels == [f"compiled {p.name}, seq 4,096, for 4 devices" for p in result.plans]
+    labels.clear()
+    longest = planner.longest_sequences(result, recipe, "tpu", [None] * 4, timer)
+    compiles = sum(1 for label in labels if ", seq " in label)
+    assert compiles == len(labels) and compiles >= len(result.plans)
+    assert all(figures["compiled"] == 8192 for figures in longest.values())

@@ -1,0 +1,71 @@
+"""Failures a user can act on, told in one line: the CLI prints these without a traceback
+(`lctrain --debug` shows it). Anything else is a bug and keeps its traceback. Imports
+neither jax nor orbax, so the CLI can use it before jax starts."""
+
+from __future__ import annotations
+
+import re
+
+from lctrain.recipes.schema import RecipeError
+
+from .data import DataError
+
+
+class RunFailure(RuntimeError):
+    """A run or command stopped for a reason outside the code: exit 1, one line."""
+
+
+class CheckpointError(RunFailure):
+    """A checkpoint that orbax could not read."""
+
+
+# XLA's out-of-memory messages: the TPU compiler's ("Ran out of memory in memory space hbm.
+# Used 97.24G of 95.74G hbm. Exceeded hbm capacity by 1.50G.") and the allocators' at run
+# time ("Out of memory allocating 17592186044416 bytes.", "Attempting to allocate 4.00G").
+_COMPILER_OOM = re.compile(r"Used (\S+) of (\S+) (\w+)")
+_ALLOCATOR_OOM = re.compile(r"(?:allocating|allocate) (\d+ bytes|[\d.]+\s?[KMGT]i?B?)")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, MemoryError) or (
+        type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+        and "RESOURCE_EXHAUSTED" in str(err))
+
+
+def out_of_memory_message(err: BaseException) -> str:
+    """The per-device figure XLA gave, and where to find a configuration that fits."""
+    if isinstance(err, MemoryError):
+        return ("out of host memory (RAM); lower data.batch_size or data.seq_len, or run "
+                "on more hosts")
+    text = str(err)
+    if used := _COMPILER_OOM.search(text):
+        figure = (f"the program needs {used.group(1)} per device of {used.group(2)} "
+                  f"{used.group(3)}")
+    elif wanted := _ALLOCATOR_OOM.search(text):
+        figure = f"a device could not allocate {_readable(wanted.group(1))}"
+    else:
+        figure = text.strip().splitlines()[0][:200]
+    return (f"out of device memory: {figure}. `lctrain plan RECIPE --topology CHIP:SHAPE "
+            f"--compile` gives each strategy's memory per device and `--max-seq` the longest "
+            f"sequence that fits; raise mesh.context, or use remat.policy=offload")
+
+
+def _readable(amount: str) -> str:
+    if amount.endswith(" bytes"):
+        return f"{int(amount.split()[0]) / 2**30:,.2f} GiB"
+    return amount
+
+
+def explain(err: BaseException) -> tuple[str, int] | None:
+    """(one-line message, exit code) for an expected failure; None for a bug. Exit 2 is bad
+    input found before anything compiled, exit 1 a run or command that failed."""
+    if isinstance(err, (RecipeError, DataError)):
+        return str(err), 2
+    if isinstance(err, RunFailure):
+        return str(err), 1
+    if is_out_of_memory(err):
+        return out_of_memory_message(err), 1
+    if isinstance(err, OSError) and err.strerror:
+        where = f"{err.filename}: " if err.filename else ""
+        return f"{where}{err.strerror}", 1
+    return None
