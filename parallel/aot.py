@@ -70,12 +70,12 @@ def compile_eval_step(recipe: Recipe, devices) -> Any:
     """The compiled evaluation step of `lctrain eval` (forward only, loss and accuracy by
     position at eval.seq_len) on `devices`, lowered with abstract parameters and batch."""
     from lctrain.parallel import make_strategy
-    from lctrain.trainer.evaluate import eval_recipe, make_bucket_sums, position_edges
+    from lctrain.trainer.evaluate import make_bucket_sums, position_edges
     from lctrain.trainer.loop import mesh_for
     from lctrain.trainer.step import build_trainable
 
     mesh = mesh_for(recipe, devices)
-    recipe = eval_recipe(recipe)
+    recipe = recipe.for_evaluation()
     trainable = build_trainable(recipe, mesh)
     bucket_sums = jax.jit(make_bucket_sums(recipe, trainable.graphdef,
                                            make_strategy(recipe, mesh),

@@ -162,6 +162,8 @@ def validate(recipe: Recipe) -> None:
     _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be positive")
     _require(d.batch_size > 0, "data.batch_size", d.batch_size, "must be positive")
     _validate_source(recipe)
+    if recipe.eval.source is not None:
+        _validate_source(recipe.for_evaluation(), "eval")
     _require(t.steps > 0, "train.steps", t.steps, "must be positive")
     _require(t.lr > 0, "train.lr", t.lr, "must be positive")
     _require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
@@ -227,19 +229,23 @@ def _validate_rope(m: ModelConfig) -> None:
                  f"must exceed model.rope_scaling.beta_slow ({scaling.beta_slow})")
 
 
-def _validate_source(recipe: Recipe) -> None:
+def _validate_source(recipe: Recipe, key: str = "data") -> None:
+    """data.source (or, with key 'eval', eval.source and eval.seq_len: what evaluation
+    reads) exists and suits the model."""
     d = recipe.data
     if d.source == "synthetic":
-        _require(d.seq_len >= 4, "data.seq_len", d.seq_len, "the synthetic task needs >= 4")
-        _require_no_tokenizer(d)
+        _require(d.seq_len >= 4, f"{key}.seq_len", d.seq_len, "the synthetic task needs >= 4")
+        if key == "data":  # evaluation may well read synthetic data beside a tokenizer
+            _require_no_tokenizer(d)
         return
-    _require(Path(d.source).exists(), "data.source", d.source,
+    _require(Path(d.source).exists(), f"{key}.source", d.source,
              f"no such file or folder (looked for {Path(d.source).absolute()}: a relative path "
              f"is taken from the working directory); use 'synthetic', a .bin/.npy token file "
              f"or text file(s)")
     try:
         if Path(d.source).suffix in (".bin", ".npy"):
-            _require_no_tokenizer(d)
+            if key == "data":
+                _require_no_tokenizer(d)
             token_file_settings(d.source, eos_id=d.eos_id, token_dtype=d.token_dtype,
                                 model_vocab=recipe.model.vocab)
         elif d.tokenizer is not None:

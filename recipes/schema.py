@@ -298,3 +298,10 @@ class Recipe:
         if self.model.hf_dir is not None:
             del raw["model"]["preset"]
         return raw
+
+    def for_evaluation(self) -> "Recipe":
+        """The recipe as evaluation reads data: eval.source and eval.seq_len in place of
+        data's."""
+        data = dataclasses.replace(self.data, source=self.eval.source or self.data.source,
+                                   seq_len=self.eval.seq_len or self.data.seq_len)
+        return dataclasses.replace(self, data=data)

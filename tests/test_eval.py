@@ -121,6 +121,43 @@ def test_eval_seq_len_the_mesh_cannot_split_is_named(tmp_path):
     assert "'eval.seq_len' = 1000: must be divisible by 16" in result.output
 
 
+def test_missing_eval_source_is_named_at_load(tmp_path):
+    result = CliRunner().invoke(app, ["eval", "--run-dir", str(tmp_path), "--set",
+                                      f"eval.source={tmp_path / 'held_out.bin'}"])
+    assert result.exit_code == 2
+    assert f"'eval.source' = '{tmp_path / 'held_out.bin'}': no such file" in result.output
+
+
+class FakeTpu:
+    """What mesh_for reads of a device before it builds the mesh."""
+    platform, device_kind, process_index = "tpu", "TPU v5p", 0
+
+
+@pytest.mark.parametrize("every", [0, 100])
+def test_pallas_tiles_are_checked_at_eval_seq_len_when_training_evaluates(every):
+    """ring on 4 TPU devices: data.seq_len 8192 tiles (2048-token chunks), eval.seq_len 8000
+    (2000-token chunks) does not; `lctrain eval` and a run with eval.every must refuse it
+    before compiling, a run that never evaluates need not."""
+    from lctrain.recipes import RecipeError
+    from lctrain.trainer.loop import mesh_for
+
+    recipe = load_recipe(None, ["parallel.strategy=ring", "mesh.context=4", "mesh.data=1",
+                                "data.batch_size=1", "data.seq_len=8192", "eval.seq_len=8000",
+                                "attention.impl=pallas", "parallel.load_balance=false",
+                                f"eval.every={every}", "eval.holdout=0.0"])
+    tpus = [FakeTpu()] * 4
+    refusal = r"2000 queries x 2000 keys \(eval.seq_len 8000, .* make eval.seq_len a multiple"
+    with pytest.raises(RecipeError, match=refusal):
+        mesh_for(recipe, tpus, evaluating=True)
+    if every:
+        with pytest.raises(RecipeError, match=refusal):
+            mesh_for(recipe, tpus)
+    else:
+        with pytest.raises(Exception) as built:   # the check passes; building needs real TPUs
+            mesh_for(recipe, tpus)
+        assert not isinstance(built.value, RecipeError)
+
+
 def test_evaluation_during_training_is_held_out_and_resumes_without_repeats(tmp_path):
     """A token file with every 4th window held out: eval every 2 steps; a run to 4 steps
     resumed to 6 evaluates at 2, 4 and 6 once each, and the evaluation at 6 equals

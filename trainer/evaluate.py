@@ -32,13 +32,6 @@ from .weights import load_weights
 POSITION_BUCKETS = 16
 
 
-def eval_recipe(recipe: Recipe) -> Recipe:
-    """The recipe as evaluation reads data: eval.source and eval.seq_len in place of data's."""
-    data = dataclasses.replace(recipe.data, source=recipe.eval.source or recipe.data.source,
-                               seq_len=recipe.eval.seq_len or recipe.data.seq_len)
-    return dataclasses.replace(recipe, data=data)
-
-
 def position_edges(seq_len: int, buckets: int = POSITION_BUCKETS) -> np.ndarray:
     """Bucket edges 0 = e0 < e1 < ... < seq_len, log-spaced (position p is in bucket i when
     e_i <= p < e_i+1): the first positions one per bucket, the long tail coarser."""
@@ -73,7 +66,7 @@ class Evaluator:
     for the mesh; called with the parameters, it returns what `summary` describes."""
 
     def __init__(self, recipe: Recipe, mesh, graphdef):
-        self.recipe = eval_recipe(recipe)
+        self.recipe = recipe.for_evaluation()
         data = self.recipe.data
         self.mesh = mesh
         # Its own strategy: eval.seq_len may cut the sequence into other chunks.
@@ -134,7 +127,7 @@ def make_retrieval_scores(recipe: Recipe, graphdef, strategy):
 def evaluate(recipe: Recipe, run_dir: Path | None, step: int | None = None,
              console: Console | None = None) -> dict:
     """`lctrain eval`: the run dir's checkpoint (or model.init's weights) evaluated."""
-    mesh = mesh_for(recipe, console=console)  # checks eval.seq_len against the mesh too
+    mesh = mesh_for(recipe, console=console, evaluating=True)
     trainable = build_trainable(recipe, mesh)
     params, origin = load_weights(recipe, trainable, run_dir, step, console)
     return Evaluator(recipe, mesh, trainable.graphdef)(params, origin, console)

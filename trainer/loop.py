@@ -17,7 +17,7 @@ from rich.console import Console
 from lctrain.parallel import build_mesh, describe_devices, make_strategy, strategy_class
 from lctrain.parallel.auto import resolve_auto
 from lctrain.parallel.chips import chip_for_device_kind
-from lctrain.recipes import Recipe, check_against_devices
+from lctrain.recipes import Recipe, RecipeError, check_against_devices
 
 from .checkpoint import Checkpointer
 from .data import Batch, DataSource, make_source
@@ -30,15 +30,26 @@ from .step import (BATCH_FIELDS, TrainState, build_trainable, batch_shardings, i
                    make_train_step)
 
 
-def mesh_for(recipe: Recipe, devices=None, console: Console | None = None) -> Mesh:
+def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
+             evaluating: bool = False) -> Mesh:
     """Validates the recipe against the devices (RecipeError before any compile), resolves
-    parallel.strategy=auto (saying why), and builds the mesh."""
+    parallel.strategy=auto (saying why), and builds the mesh. Evaluation (`evaluating`, or
+    eval.every in training) is checked at eval.seq_len."""
     devices = jax.devices() if devices is None else devices
     sizes = check_against_devices(recipe, len(devices))
     choice = resolve_auto(recipe, sizes, devices, device_memory_bytes(devices))
     if choice and console:
         console.print(choice, soft_wrap=True, markup=False)
-    strategy_class(recipe).check(recipe, sizes, devices[0].platform)
+    strategy, platform = strategy_class(recipe), devices[0].platform
+    if not evaluating:
+        strategy.check(recipe, sizes, platform)
+    if evaluating or recipe.eval.every:
+        try:
+            strategy.check(recipe.for_evaluation(), sizes, platform)
+        except RecipeError as err:  # the checks name data's keys; evaluation reads eval's
+            if recipe.eval.seq_len is None:
+                raise
+            raise RecipeError(str(err).replace("data.seq_len", "eval.seq_len")) from None
     return build_mesh(sizes, recipe.parallel.ulysses, devices)
 
 
