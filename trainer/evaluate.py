@@ -9,7 +9,6 @@ position the prediction is made at), so only a few numbers per batch reach the h
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
