@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import xla
+from .residuals import named_results
 
 _F32 = jnp.float32
 _MASK_VALUE = xla._MASK_VALUE  # same finite "minus infinity" as the XLA kernel
@@ -453,8 +454,8 @@ def _flash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv, int
 
 
 def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv, interpret):
-    out, lse = _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q,
-                               block_kv, interpret)
+    out, lse = named_results(*_pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal,
+                                              block_q, block_kv, interpret))
     # O(s) residuals only; the backward kernels recompute scores block by block.
     return (out, lse), (q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg)
 

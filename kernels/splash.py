@@ -47,6 +47,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
 from . import xla
+from .residuals import named_results
 
 _LANES = splash.NUM_LANES  # splash tiles the sequence in multiples of 128, even interpreted
 _MASK_VALUE = splash.DEFAULT_MASK_VALUE
@@ -274,7 +275,8 @@ def _splash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret):
 
 
 def _splash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret):
-    out, lse = _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret)
+    out, lse = named_results(*_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks,
+                                       interpret))
     return (out, lse), (q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg)
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .masks import attention_mask
+from .residuals import named_results
 
 # Score given to disallowed pairs. Finite, so `s - running_max` stays finite
 # even while every key seen so far is masked (then both equal this value);
@@ -256,7 +257,8 @@ def _flash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv):
 
 
 def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv):
-    out, lse = _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv)
+    out, lse = named_results(*_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal,
+                                       block_q, block_kv))
     # O(s) residuals only; the backward recomputes scores block by block.
     return (out, lse), (q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg)
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from lctrain import kernels
+from lctrain.kernels.residuals import named_results
 from lctrain.parallel.strategy import CONTEXT_AXIS, ContextStrategy
 from lctrain.recipes.schema import Recipe
 
@@ -113,7 +114,8 @@ def _ring(q, k, v, positions, segment_ids, axis_name, kernel_options):
 
 
 def _ring_fwd(q, k, v, positions, segment_ids, axis_name, kernel_options):
-    out, lse = _forward(q, k, v, positions, segment_ids, axis_name, kernel_options)
+    out, lse = named_results(*_forward(q, k, v, positions, segment_ids, axis_name,
+                                       kernel_options))
     return out, (q, k, v, positions, segment_ids, out, lse)
 
 

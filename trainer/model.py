@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from lctrain.kernels.residuals import CONTEXT
 from lctrain.recipes.schema import ModelConfig
 from lctrain.trainer.token_chunks import GatherWeight, TokenChunks
 
@@ -139,7 +140,7 @@ class Attention(nnx.Module):
         v = checkpoint_name(self.project(x, self.wv, self.bv), "value_proj")
         q = apply_rope(q, rotary)
         k = apply_rope(k, rotary)
-        context = checkpoint_name(attend(q, k, v, positions, segment_ids), "context")
+        context = checkpoint_name(attend(q, k, v, positions, segment_ids), CONTEXT)
         out = jnp.einsum("bshd,hde->bse", context, _weight(self.wo, dtype))
         return checkpoint_name(out, "out_proj")
 
