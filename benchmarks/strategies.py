@@ -30,7 +30,8 @@ from lctrain.recipes import RecipeError, load_recipe  # noqa: E402
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
 # A tiny-preset model widened to head_dim 128 (TPU lanes) with GQA, compiled in bf16.
 DEFAULT_SETS = ("model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=4",
-                "model.d_ff=2048", "model.layers=2", "model.dtype=bfloat16")
+                "model.d_ff=2048", "model.layers=2", "model.dtype=bfloat16",
+                "attention.impl=xla")
 KIND_COLUMNS = (("all-gather", "AG"), ("reduce-scatter", "RS"), ("all-reduce", "AR"),
                 ("all-to-all", "A2A"), ("collective-permute", "CP"))
 

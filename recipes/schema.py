@@ -193,10 +193,11 @@ class ParallelConfig:
 @dataclass
 class AttentionConfig:
     impl: Literal["xla", "pallas", "splash", "auto"] = option(
-        "xla", "Attention kernel: blockwise XLA reference, our Pallas kernel (Mosaic on TPU, "
-               "interpreted on CPU), jax's splash kernel (TPU; needs every chunk of the "
-               "stored sequence to be a multiple of 128 tokens), or auto (on TPU splash for "
-               "every kernel call its tiles fit, else pallas; xla elsewhere).")
+        "auto", "Attention kernel: auto (on TPU splash for every kernel call its tiles fit, "
+                "else pallas; xla elsewhere), blockwise XLA reference (computes every block "
+                "pair: twice the causal FLOPs), our Pallas kernel (Mosaic on TPU, interpreted "
+                "and slow on CPU), or jax's splash kernel (TPU; needs every chunk of the "
+                "stored sequence to be a multiple of 128 tokens).")
     block_q: int = option(512, "Query block size of the blockwise kernels.")
     block_kv: int = option(512, "Key/value block size of the blockwise kernels.")
 

@@ -182,7 +182,8 @@ def test_missing_libtpu_says_what_to_install(without_libtpu):
 
 TOPOLOGY, C, S = "v5p:2x2x1", 4, 4096
 MODEL_SETS = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_heads=8",
-              "model.n_kv_heads=2", "model.d_ff=384", "model.dtype=bfloat16")
+              "model.n_kv_heads=2", "model.d_ff=384", "model.dtype=bfloat16",
+              "attention.impl=xla")  # the figures below are the XLA kernel's
 MODEL = load_recipe(None, list(MODEL_SETS)).model
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = MODEL.layers, MODEL.n_heads, MODEL.n_kv_heads, MODEL.head_dim
 BF16, INT32 = 2, 4

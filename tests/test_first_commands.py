@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import common
 from lctrain.cli.main import app
+from lctrain.recipes import load_recipe
 
 # ----------------------------------------------------------- runtime.cpu_devices=auto ----
 
@@ -168,3 +169,29 @@ def test_reruns_finish_continue_or_name_what_changed(tmp_path):
         assert changed.exit_code == 2 and len(lines) == 1, changed.output
         assert f"{key} {before} -> {value}" in lines[0].replace("'", "")
     assert not (tmp_path / "checkpoints" / "5").exists()
+
+
+# ------------------------------------------------------- attention.impl=auto ----
+
+def test_default_attention_is_a_tpu_kernel_on_tpu_and_xla_on_cpu():
+    """Left out, attention.impl is auto: on TPU splash where its tiles fit (2048-token
+    chunks) and our Pallas kernel where they do not (2000), never the XLA kernel that
+    computes every block pair; on CPU the XLA kernel (the others would be interpreted)."""
+    from lctrain import kernels
+
+    impl = load_recipe(None).attention.impl
+    assert impl == "auto"
+    assert kernels.impl_for_call(impl, "tpu", 2048, 8192, 512, 512, 2048) == "splash"
+    assert kernels.impl_for_call(impl, "tpu", 2000, 8000, 512, 512, 2000) == "pallas"
+    assert kernels.impl_for_call(impl, "cpu", 2048, 8192, 512, 512, 2048) == "xla"
+
+
+def test_an_interpreted_kernel_on_cpu_is_said_once(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--steps", "1", "--run-dir", str(tmp_path),
+                                      "--set", "attention.impl=pallas",
+                                      "--set", "data.seq_len=64"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("attention.impl=pallas runs in Pallas interpret mode") == 1
+    plain = CliRunner().invoke(app, ["run", "--steps", "1", "--run-dir", str(tmp_path / "x"),
+                                     "--set", "data.seq_len=64"])
+    assert "interpret mode" not in plain.output

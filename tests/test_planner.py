@@ -24,7 +24,7 @@ CONTEXT4 = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
 TINY = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_heads=8",
         "model.n_kv_heads=2", "model.d_ff=384", "model.vocab=128", "model.dtype=bfloat16",
         "data.seq_len=4096", "data.batch_size=1", "mesh.data=1", "mesh.context=4",
-        "parallel.strategy=all_gather")
+        "parallel.strategy=all_gather", "attention.impl=xla")
 
 
 def tiny(*extra: str):
@@ -329,7 +329,8 @@ COMM_TOLERANCE = 0.05
 
 
 def grid_recipe(model, seq, remat, strategy):
-    return load_recipe(None, ["model.dtype=bfloat16", *MODELS[model], f"data.seq_len={seq}",
+    return load_recipe(None, ["model.dtype=bfloat16", "attention.impl=xla", *MODELS[model],
+                              f"data.seq_len={seq}",
                               "data.batch_size=1", "mesh.data=1", "mesh.context=4",
                               f"parallel.strategy={strategy}", f"remat.policy={remat}"])
 

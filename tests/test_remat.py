@@ -41,7 +41,7 @@ LAYERS, D_MODEL, SEQ_LEN, BATCH = 64, 128, 1024, 32
 AOT_SETS = ["runtime.cpu_devices=0", "model.preset=tiny", f"model.layers={LAYERS}",
             f"model.d_model={D_MODEL}", "model.n_heads=2", "model.n_kv_heads=1",
             "model.dtype=bfloat16", f"data.seq_len={SEQ_LEN}", f"data.batch_size={BATCH}",
-            "mesh.data=4"]
+            "mesh.data=4", "attention.impl=xla"]
 TOKENS_PER_CHIP = BATCH * SEQ_LEN // DEVICES
 LAYER_INPUTS = LAYERS * TOKENS_PER_CHIP * D_MODEL * 2           # 134,217,728 = 128 MiB
 CASES = {

@@ -41,6 +41,10 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
     if choice and console:
         console.print(choice, soft_wrap=True, markup=False)
     strategy, platform = strategy_class(recipe), devices[0].platform
+    if platform == "cpu" and recipe.attention.impl in ("pallas", "splash") and console:
+        console.print(f"note: attention.impl={recipe.attention.impl} runs in Pallas interpret "
+                      f"mode on CPU: exact but slow (attention.impl=auto takes xla here)",
+                      markup=False, soft_wrap=True)
     if not evaluating:
         strategy.check(recipe, sizes, platform)
     if evaluating or recipe.eval.every:
