@@ -61,6 +61,12 @@ def attempt(action: Callable[[], T]) -> T:
         fail(*explained)
 
 
+def wide_console() -> Console:
+    """The console for tables meant to be read whole: in a pipe or a file rich would fold
+    them to 80 columns."""
+    return console if console.is_terminal else Console(width=160)
+
+
 def fail(message: str, code: int = 2) -> None:
     """One line on stderr; exit 2 for bad input (nothing was compiled), 1 for a failed run."""
     # Escaped: keys, paths and extras (".[tpu]") contain square brackets, rich's markup.

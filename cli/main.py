@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from lctrain.recipes import RecipeError, load_recipe
 
 from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt,
-                     console, default_run_dir, error_console, fail, start)
+                     console, default_run_dir, error_console, fail, start, wide_console)
 from . import models, tokenize  # noqa: F401  registers their commands
 
 
@@ -115,8 +114,7 @@ def plan(
             out["max_seq_len"] = longest
         typer.echo(json.dumps(out, indent=2))
         return
-    # Rich would fold the table to 80 columns in a pipe or a file; it is meant to be read whole.
-    wide = console if console.is_terminal else Console(width=160)
+    wide = wide_console()
     planner.render(result, wide, title=f"{loaded.model.name}, seq {loaded.data.seq_len:,}, "
                                           f"batch {loaded.data.batch_size}, {topology}, "
                                           f"mesh {sizes}, remat {loaded.remat.policy}")

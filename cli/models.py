@@ -12,7 +12,7 @@ import typer
 from lctrain.recipes import load_recipe, load_run_recipe
 
 from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
-                     default_run_dir, error_console, fail, start)
+                     default_run_dir, error_console, fail, start, wide_console)
 from .eval_report import render_table, write_outputs
 
 DTYPES = ("bfloat16", "float32")
@@ -33,7 +33,8 @@ def export(
     RoPE, sharded safetensors, the tokenizer files)."""
     if dtype not in DTYPES:
         fail(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    recipe = attempt(lambda: load_run_recipe(run_dir, set_))
+    # Export reads weights only: the run's training data may be long gone.
+    recipe = attempt(lambda: load_run_recipe(run_dir, set_, reads_data=False))
     start(recipe.runtime.cpu_devices, coordinator, num_processes, process_id)
     import jax
 
@@ -82,5 +83,5 @@ def eval_(
     if as_json:
         typer.echo(json.dumps(result))
         return
-    render_table(result, console)
+    render_table(result, wide_console())
     console.print(f"wrote {', '.join(map(str, written))}", markup=False, soft_wrap=True)

@@ -28,8 +28,10 @@ def builtin_recipes() -> list[str]:
                   if p.name.endswith(".yaml"))
 
 
-def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Recipe:
-    """Loads a recipe file (or a built-in recipe by name; None = the default) and validates it."""
+def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = (), *,
+                reads_data: bool = True) -> Recipe:
+    """Loads a recipe file (or a built-in recipe by name; None = the default) and validates it
+    (its data sources too, unless the command never `reads_data`)."""
     raw = _read_yaml(path)
     for assignment in overrides:
         key, value = _parse_override(assignment)
@@ -37,18 +39,19 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()
     _fill_model_keys(raw)
     recipe = build(Recipe, raw, prefix="")
     _derive_model_keys(recipe.model)
-    validate(recipe)
+    validate(recipe, reads_data)
     return recipe
 
 
-def load_run_recipe(run_dir: str | os.PathLike, overrides: list[str] = ()) -> Recipe:
+def load_run_recipe(run_dir: str | os.PathLike, overrides: list[str] = (), *,
+                    reads_data: bool = True) -> Recipe:
     """The recipe a run trained with (recipe.yaml in its run dir). Every model key is set
     there, so the model is rebuilt from them without model.init's folder."""
     path = Path(run_dir) / "recipe.yaml"
     if not path.is_file():
         raise RecipeError(f"{path}: missing, so '{run_dir}' is not a run dir; give the folder "
                           f"`lctrain run` trained into (--run-dir)")
-    return load_recipe(path, ["model.init=random", *overrides])
+    return load_recipe(path, ["model.init=random", *overrides], reads_data=reads_data)
 
 
 def _read_yaml(path: str | os.PathLike | None) -> dict[str, Any]:
@@ -150,8 +153,9 @@ def _require(ok: bool, key: str, value: Any, fix: str) -> None:
         raise RecipeError(f"recipe key '{key}' = {value!r}: {fix}")
 
 
-def validate(recipe: Recipe) -> None:
-    """Checks that need no devices; `check_against_devices` does the rest once jax is up."""
+def validate(recipe: Recipe, reads_data: bool = True) -> None:
+    """Checks that need no devices; `check_against_devices` does the rest once jax is up.
+    Without `reads_data` (lctrain export), data files may be gone."""
     m, d, t = recipe.model, recipe.data, recipe.train
     for name in ("layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab"):
         _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be positive")
@@ -161,8 +165,9 @@ def validate(recipe: Recipe) -> None:
              f"must divide model.n_heads ({m.n_heads})")
     _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be positive")
     _require(d.batch_size > 0, "data.batch_size", d.batch_size, "must be positive")
-    _validate_source(recipe)
-    if recipe.eval.source is not None:
+    if reads_data:
+        _validate_source(recipe)
+    if reads_data and recipe.eval.source is not None:
         _validate_source(recipe.for_evaluation(), "eval")
     _require(t.steps > 0, "train.steps", t.steps, "must be positive")
     _require(t.lr > 0, "train.lr", t.lr, "must be positive")

@@ -84,7 +84,8 @@ def cli(*args):
 def test_context_extension_workflow(tmp_path):
     """A CPU-sized copy of README "Extend a pretrained model's context": an HF model made
     for 32 positions, tokenized text, 3 steps at 128 tokens with yarn on ring (context 4),
-    export, and transformers reloads it with lctrain's loss."""
+    export (the token file deleted by then: only its sidecar names the tokenizer), and
+    transformers reloads it with lctrain's loss."""
     rng = np.random.default_rng(0)
     words = ["long", "context", "ring", "token", "model", "chip", "train", "data"]
     texts = [" ".join(rng.choice(words, size=rng.integers(20, 80))) for _ in range(40)]
@@ -101,6 +102,7 @@ def test_context_extension_workflow(tmp_path):
         "--set", "data.batch_size=2", "--set", "mesh.data=2", "--set", "mesh.context=4",
         "--set", "parallel.strategy=ring", "--set", "train.warmup_steps=1",
         "--set", "train.lr=1e-3", "--set", "attention.block_kv=16")
+    (tmp_path / "tokens.bin").unlink()  # export needs the weights, not the training data
     cli("export", run_dir, tmp_path / "export", "--dtype", "float32")
 
     assert (tmp_path / "export" / "tokenizer.json").is_file()
@@ -110,7 +112,7 @@ def test_context_extension_workflow(tmp_path):
     assert reloaded.config.rope_parameters["rope_type"] == "yarn"
     ids = np.asarray([tokenizer.encode(" ".join(texts[:6])).ids[:129]] * 2, np.int32)
     _, hf_loss = hf_logits_and_loss(reloaded, ids)
-    recipe = load_run_recipe(run_dir)
+    recipe = load_run_recipe(run_dir, reads_data=False)
     mesh = mesh_for(recipe)
     params, origin = load_weights(recipe, build_trainable(recipe, mesh), run_dir)
     assert origin.endswith("step 3")
