@@ -114,12 +114,14 @@ def plan(
             out["max_seq_len"] = longest
         typer.echo(json.dumps(out, indent=2))
         return
+    from .plan_render import render, render_max_seq
+
     wide = wide_console()
-    planner.render(result, wide, title=f"{loaded.model.name}, seq {loaded.data.seq_len:,}, "
-                                          f"batch {loaded.data.batch_size}, {topology}, "
-                                          f"mesh {sizes}, remat {loaded.remat.policy}")
+    render(result, wide, title=f"{loaded.model.name}, seq {loaded.data.seq_len:,}, "
+                                f"batch {loaded.data.batch_size}, {topology}, "
+                                f"mesh {sizes}, remat {loaded.remat.policy}")
     if max_seq:
-        planner.render_max_seq(longest, wide)
+        render_max_seq(longest, wide)
 
 
 if __name__ == "__main__":

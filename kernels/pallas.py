@@ -10,32 +10,31 @@ Per-token integers and per-row statistics travel as ROWS, [b, 1, s] and [b, h, 1
 is padded to 128 lanes in HBM and memory stays linear in s. A kernel that
 needs a column ([block, 1], one value per sublane) reshapes the row in VMEM.
 
-Grids (the last axis is the reduction, "arbitrary"; the others are "parallel", so
-megacore TPUs split them across cores):
-  forward  (b, hq, q blocks, kv blocks): online softmax in VMEM scratch; writes out
-           and lse at the last kv block.
-  dq       (b, hq, q blocks, kv blocks): dq accumulated over kv blocks.
-  dk, dv   (b, hkv, kv blocks, group, q blocks): accumulated over the g query heads
-           sharing the kv head AND over q blocks, so GQA needs no extra reduction.
-           It computes scores transposed ([block_kv, block_q]), so lse and delta
-           broadcast as rows and every matmul is a plain A @ B or A @ B^T.
+Grids (the last axis is the reduction, "arbitrary"):
+  forward   (b, hq, q blocks, kv slots), b, hq and q blocks "parallel" (megacore TPUs
+            split them across cores): online softmax in VMEM scratch; writes out and
+            lse at the last slot.
+  backward  (b, hkv, kv blocks, group, q slots), b and hkv "parallel": one kernel
+            computes dk, dv and dq from one recomputation of the scores per block pair
+            (5 matmuls; separate dq and dk/dv kernels would take 7). dk and dv
+            accumulate in VMEM over the g query heads sharing the kv head and over q
+            slots, so GQA needs no extra reduction. dq sums over kv blocks, an outer
+            axis: it lives in an f32 HBM buffer that each computed step reads and
+            writes back by manual DMA (one [block_q, d] f32 block each way, hidden
+            under the matmuls; by arithmetic a step stays compute-bound on v5p for
+            blocks of 256 and up), so kv blocks stay on one core. Scores are computed transposed ([block_kv, block_q]), so
+            lse and delta broadcast as rows.
 Query head h reads kv head h // g in the index maps; k and v are never repeated.
 
-Masks come only from positions and segment ids. Per block, the wrapper computes
-(min, max) of positions and of segment ids and hands them to the kernel as
-scalar-prefetch arrays (SMEM). From these bounds each (q block, kv block) pair is
-  - skipped (no pair can be allowed: segment ranges disjoint, or causal and the
-    latest query precedes the earliest key),
-  - computed without a mask (every pair allowed: one common segment and, if causal,
-    the earliest query is not before the latest key), or
-  - computed with the elementwise mask built from the block's [1, block] rows.
-Bounds are conservative (interleaved segments may overlap in range without sharing
-an id): a pair is only skipped when it is certainly empty. No s x s mask exists.
+Masks come only from positions and segment ids, through per-block bounds in
+scalar-prefetch arrays (SMEM): a block pair is skipped, computed without a mask, or
+computed with the elementwise mask built from the blocks' [1, block] id rows. A slot
+of the reduction axis is mapped (by the index maps and the kernel alike) onto the run
+of blocks its row may see, so a skipped pair is not even copied into VMEM
+(pallas_schedule.py). No s x s mask exists. Kernel bodies: pallas_kernels.py.
 
-Numerics as in `xla.py`: f32 scores, statistics and accumulators; p and ds are cast
-to the input dtype for the matmuls (bf16 MXU for bf16 inputs); masked scores get a
-large finite value and masked probabilities are zeroed explicitly, so rows with no
-allowed key give out 0, lse -inf and zero, finite gradients.
+Numerics as in `xla.py` (pallas_kernels.py): rows with no allowed key give out 0,
+lse -inf and zero, finite gradients.
 
 Inside shard_map(check_vma=True) the inputs are first cast to vary over the same mesh
 axes (so autodiff psums the gradient of a replicated input). Pallas interpret mode
@@ -57,10 +56,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import xla
+from .pallas_kernels import N_PREFETCH, backward_kernel, forward_kernel
+from .pallas_schedule import KeyMajor, Prefetch, QueryMajor, prefetch_arrays
 from .residuals import named_results
 
 _F32 = jnp.float32
-_MASK_VALUE = xla._MASK_VALUE  # same finite "minus infinity" as the XLA kernel
 _LANES = 128  # TPU vreg lanes: blocks along the sequence are multiples of this
 
 
@@ -122,180 +122,6 @@ def _stat_rows(x):
     return x.astype(_F32)[:, :, None, :]
 
 
-def _block_bounds(positions, segment_ids, block):
-    """Flat int32 [b * n * 4]: (pos min, pos max, seg min, seg max) of each block.
-
-    Flat (not [b, n, 4]) because it lives in SMEM, where a 2-D array would be padded.
-    """
-    b, s = positions.shape
-    pos = positions.astype(jnp.int32).reshape(b, s // block, block)
-    seg = segment_ids.astype(jnp.int32).reshape(b, s // block, block)
-    bounds = jnp.stack([pos.min(-1), pos.max(-1), seg.min(-1), seg.max(-1)], axis=-1)
-    return bounds.reshape(-1)
-
-
-# -------------------------------------------------------- kernel helpers ----
-
-def _read_bounds(bounds_ref, batch, block, n_blocks):
-    base = (batch * n_blocks + block) * 4
-    return tuple(bounds_ref[base + k] for k in range(4))
-
-
-def _pair_visibility(q_bounds_ref, kv_bounds_ref, batch, i, j, nq, nkv, causal):
-    """(some pair may be allowed, every pair is allowed) for q block i x kv block j."""
-    q_lo, q_hi, q_seg_lo, q_seg_hi = _read_bounds(q_bounds_ref, batch, i, nq)
-    kv_lo, kv_hi, kv_seg_lo, kv_seg_hi = _read_bounds(kv_bounds_ref, batch, j, nkv)
-    some = jnp.logical_and(q_seg_lo <= kv_seg_hi, kv_seg_lo <= q_seg_hi)
-    every = jnp.logical_and(jnp.logical_and(q_seg_lo == q_seg_hi, kv_seg_lo == kv_seg_hi),
-                            q_seg_lo == kv_seg_lo)
-    if causal:
-        some = jnp.logical_and(some, q_hi >= kv_lo)
-        every = jnp.logical_and(every, q_lo >= kv_hi)
-    return some, every
-
-
-def _run_visible(some, every, compute):
-    """compute(masked) on a block pair: unmasked if every pair is allowed, masked if
-    only some may be, not at all if none can be."""
-    pl.when(every)(lambda: compute(False))
-    pl.when(jnp.logical_and(some, jnp.logical_not(every)))(lambda: compute(True))
-
-
-def _allowed(q_pos, kv_pos, q_seg, kv_seg, causal):
-    """Elementwise mask; the orientation ([bq, bk] or [bk, bq]) follows the operands'."""
-    allowed = q_seg == kv_seg
-    if causal:
-        allowed = jnp.logical_and(allowed, q_pos >= kv_pos)
-    return allowed
-
-
-def _column(row_ref):
-    """A [1, n] row block -> [n, 1] column (one value per sublane)."""
-    return row_ref[...].reshape(-1, 1)
-
-
-def _dot(a, b):
-    """a @ b with f32 accumulation."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
-
-
-def _dot_t(a, b):
-    """a @ b^T with f32 accumulation (contracts the last dims; no transpose needed)."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-
-
-# --------------------------------------------------------- forward kernel ----
-
-def _forward_kernel(q_bounds, kv_bounds, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref,
-                    kv_pos_ref, kv_seg_ref, out_ref, lse_ref, acc_ref, max_ref, sum_ref,
-                    *, causal, scale, nq, nkv):
-    """One (q block, kv block) step of the online softmax for one query head."""
-    batch, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-
-    @pl.when(j == 0)
-    def _start_row_block():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-        max_ref[...] = jnp.full_like(max_ref, _MASK_VALUE)
-        sum_ref[...] = jnp.zeros_like(sum_ref)
-
-    def fold_kv_block(masked):
-        v = v_ref[...]
-        s = _dot_t(q_ref[...], k_ref[...]) * scale  # [bq, bk]
-        if masked:
-            mask = _allowed(_column(q_pos_ref), kv_pos_ref[...], _column(q_seg_ref),
-                            kv_seg_ref[...], causal)
-            s = jnp.where(mask, s, _MASK_VALUE)
-        row_max = max_ref[...]
-        new_max = jnp.maximum(row_max, s.max(axis=1, keepdims=True))
-        p = jnp.exp(s - new_max)
-        if masked:  # a row with nothing allowed yet has s == new_max: exp(0) must not count
-            p = jnp.where(mask, p, 0.0)
-        # Rescale what was accumulated under the old max (both finite, factor <= 1).
-        correction = jnp.exp(row_max - new_max)
-        sum_ref[...] = correction * sum_ref[...] + p.sum(axis=1, keepdims=True)
-        acc_ref[...] = correction * acc_ref[...] + _dot(p.astype(v.dtype), v)
-        max_ref[...] = new_max
-
-    some, every = _pair_visibility(q_bounds, kv_bounds, batch, i, j, nq, nkv, causal)
-    _run_visible(some, every, fold_kv_block)
-
-    @pl.when(j == nkv - 1)
-    def _normalize():
-        # A row with an allowed key has sum >= 1 (its max contributes exp(0)).
-        row_sum = sum_ref[...]
-        has_keys = row_sum > 0
-        safe_sum = jnp.where(has_keys, row_sum, 1.0)
-        out_ref[...] = (acc_ref[...] / safe_sum).astype(out_ref.dtype)
-        lse = jnp.where(has_keys, max_ref[...] + jnp.log(safe_sum), -jnp.inf)
-        lse_ref[...] = lse.reshape(1, -1)  # column -> the row layout of lse
-
-
-# -------------------------------------------------------- backward kernels ----
-
-def _dq_kernel(q_bounds, kv_bounds, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref,
-               q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref, dq_ref, dq_acc_ref,
-               *, causal, scale, nq, nkv):
-    """dq += scale * ds k over kv blocks, ds = p * (dp - delta), p = exp(s - lse)."""
-    batch, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-
-    @pl.when(j == 0)
-    def _start():
-        dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
-
-    def accumulate(masked):
-        k = k_ref[...]
-        s = _dot_t(q_ref[...], k) * scale  # [bq, bk]
-        p = jnp.exp(s - _column(lse_ref))  # exact softmax probs from the final lse
-        if masked:
-            p = jnp.where(_allowed(_column(q_pos_ref), kv_pos_ref[...], _column(q_seg_ref),
-                                   kv_seg_ref[...], causal), p, 0.0)
-        dp = _dot_t(dout_ref[...], v_ref[...])
-        ds = p * (dp - _column(delta_ref))
-        dq_acc_ref[...] += _dot(ds.astype(k.dtype), k)
-
-    some, every = _pair_visibility(q_bounds, kv_bounds, batch, i, j, nq, nkv, causal)
-    _run_visible(some, every, accumulate)
-
-    @pl.when(j == nkv - 1)
-    def _finish():
-        dq_ref[...] = (scale * dq_acc_ref[...]).astype(dq_ref.dtype)
-
-
-def _dkv_kernel(q_bounds, kv_bounds, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref,
-                q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref, dk_ref, dv_ref,
-                dk_acc_ref, dv_acc_ref, *, causal, scale, nq, nkv):
-    """dv += p^T do and dk += scale * ds^T q over (group member, q block), in the
-    transposed orientation: pT = exp(k q^T * scale - lse_row), [bk, bq]."""
-    batch, j = pl.program_id(0), pl.program_id(2)
-    member, i = pl.program_id(3), pl.program_id(4)
-    last_member, last_i = pl.num_programs(3) - 1, pl.num_programs(4) - 1
-
-    @pl.when(jnp.logical_and(member == 0, i == 0))
-    def _start():
-        dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
-        dv_acc_ref[...] = jnp.zeros_like(dv_acc_ref)
-
-    def accumulate(masked):
-        q, dout = q_ref[...], dout_ref[...]
-        s_t = _dot_t(k_ref[...], q) * scale  # [bk, bq]
-        p_t = jnp.exp(s_t - lse_ref[...])
-        if masked:
-            p_t = jnp.where(_allowed(q_pos_ref[...], _column(kv_pos_ref), q_seg_ref[...],
-                                     _column(kv_seg_ref), causal), p_t, 0.0)
-        dv_acc_ref[...] += _dot(p_t.astype(dout.dtype), dout)
-        dp_t = _dot_t(v_ref[...], dout)
-        ds_t = p_t * (dp_t - delta_ref[...])
-        dk_acc_ref[...] += _dot(ds_t.astype(q.dtype), q)
-
-    some, every = _pair_visibility(q_bounds, kv_bounds, batch, i, j, nq, nkv, causal)
-    _run_visible(some, every, accumulate)
-
-    @pl.when(jnp.logical_and(member == last_member, i == last_i))
-    def _finish():
-        dk_ref[...] = (scale * dk_acc_ref[...]).astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
-
-
 # ------------------------------------------------------------ pallas_calls ----
 
 class _Specs(NamedTuple):
@@ -307,18 +133,22 @@ class _Specs(NamedTuple):
     stat_row: pl.BlockSpec  # [b, hq, 1, sq] f32 rows: lse, delta
 
 
-def _block_specs(locate, grid_rank, block_q, block_kv, d):
-    """Specs for a grid whose index tuple `locate` maps to (batch, q head, kv head,
-    q block, kv block). Index maps also receive the scalar-prefetch refs: dropped."""
+def _block_specs(grid, grid_rank, block_q, block_kv, d):
+    """Specs whose index maps place every operand by `grid.locate` (pallas_schedule):
+    the blocks of the step's (q block, kv block) pair, so a slot outside its row's run
+    names the block already in VMEM."""
     def spec(shape, index):
-        return pl.BlockSpec(shape, lambda *args: index(*locate(*args[:grid_rank])))
+        def index_map(*args):
+            step = grid.locate(Prefetch(*args[grid_rank:]), *args[:grid_rank])
+            return index(step)
+        return pl.BlockSpec(shape, index_map)
 
     return _Specs(
-        q=spec((None, None, block_q, d), lambda b, h, hk, i, j: (b, h, i, 0)),
-        kv=spec((None, None, block_kv, d), lambda b, h, hk, i, j: (b, hk, j, 0)),
-        q_row=spec((None, 1, block_q), lambda b, h, hk, i, j: (b, 0, i)),
-        kv_row=spec((None, 1, block_kv), lambda b, h, hk, i, j: (b, 0, j)),
-        stat_row=spec((None, None, 1, block_q), lambda b, h, hk, i, j: (b, h, 0, i)))
+        q=spec((None, None, block_q, d), lambda s: (s.batch, s.q_head, s.q_block, 0)),
+        kv=spec((None, None, block_kv, d), lambda s: (s.batch, s.kv_head, s.kv_block, 0)),
+        q_row=spec((None, 1, block_q), lambda s: (s.batch, 0, s.q_block)),
+        kv_row=spec((None, 1, block_kv), lambda s: (s.batch, 0, s.kv_block)),
+        stat_row=spec((None, None, 1, block_q), lambda s: (s.batch, s.q_head, 0, s.q_block)))
 
 
 def _compiler_params(n_parallel, n_arbitrary):
@@ -349,20 +179,21 @@ class _Problem(NamedTuple):
     def nkv(self):
         return self.skv // self.block_kv
 
-    def kernel_params(self, causal):
-        return dict(causal=causal, scale=1.0 / math.sqrt(self.d), nq=self.nq, nkv=self.nkv)
+    @property
+    def scale(self):
+        return 1.0 / math.sqrt(self.d)
 
-    def query_major_specs(self):
-        """Grid (b, hq, q block, kv block): forward and dq."""
-        g = self.g
-        return _block_specs(lambda b, h, i, j: (b, h, h // g, i, j), 4,
-                            self.block_q, self.block_kv, self.d)
+    def query_major(self):
+        """(grid, its locator, its specs): forward and dq."""
+        locator = QueryMajor(self.nq, self.nkv, self.g)
+        return ((self.b, self.hq, self.nq, self.nkv), locator,
+                _block_specs(locator, 4, self.block_q, self.block_kv, self.d))
 
-    def key_major_specs(self):
-        """Grid (b, hkv, kv block, group member, q block): dk and dv."""
-        g = self.g
-        return _block_specs(lambda b, hk, j, m, i: (b, hk * g + m, hk, i, j), 5,
-                            self.block_q, self.block_kv, self.d)
+    def key_major(self):
+        """(grid, its locator, its specs): dk and dv."""
+        locator = KeyMajor(self.nq, self.nkv, self.g)
+        return ((self.b, self.hkv, self.nkv, self.g, self.nq), locator,
+                _block_specs(locator, 5, self.block_q, self.block_kv, self.d))
 
 
 def _problem(q, k, block_q, block_kv):
@@ -370,39 +201,44 @@ def _problem(q, k, block_q, block_kv):
     return _Problem(b, hq, k.shape[2], sq, k.shape[1], d, block_q, block_kv)
 
 
-def _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg):
-    """Scalar-prefetch block bounds (2) and the VMEM id rows (4), in kernel order."""
-    return ((_block_bounds(q_pos, q_seg, pb.block_q), _block_bounds(kv_pos, kv_seg, pb.block_kv)),
+def _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal):
+    """The scalar-prefetch arrays and the VMEM id rows (4), in kernel order."""
+    return (prefetch_arrays(q_pos, kv_pos, q_seg, kv_seg, pb.block_q, pb.block_kv, causal),
             tuple(_token_rows(x) for x in (q_pos, q_seg, kv_pos, kv_seg)))
+
+
+def _grid_spec(grid, in_specs, out_specs, scratch_shapes):
+    return pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=N_PREFETCH, grid=grid,
+                                        in_specs=in_specs, out_specs=out_specs,
+                                        scratch_shapes=scratch_shapes)
 
 
 def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv,
                     interpret):
     pb = _problem(q, k, block_q, block_kv)
-    specs = pb.query_major_specs()
-    bounds, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg)
+    grid, locator, specs = pb.query_major()
+    prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal)
     out, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, **pb.kernel_params(causal)),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(pb.b, pb.hq, pb.nq, pb.nkv),
-            in_specs=[specs.q, specs.kv, specs.kv,
-                      specs.q_row, specs.q_row, specs.kv_row, specs.kv_row],
-            out_specs=[specs.q, specs.stat_row],
-            scratch_shapes=[pltpu.VMEM((block_q, pb.d), _F32),   # accumulator
-                            pltpu.VMEM((block_q, 1), _F32),      # running max
-                            pltpu.VMEM((block_q, 1), _F32)]),    # running sum
+        functools.partial(forward_kernel, grid=locator, causal=causal, scale=pb.scale),
+        grid_spec=_grid_spec(
+            grid, [specs.q, specs.kv, specs.kv, specs.q_row, specs.q_row, specs.kv_row,
+                   specs.kv_row],
+            [specs.q, specs.stat_row],
+            [pltpu.VMEM((block_q, pb.d), _F32),   # accumulator
+             pltpu.VMEM((block_q, 1), _F32),      # running max
+             pltpu.VMEM((block_q, 1), _F32)]),    # running sum
         out_shape=[_result((pb.b, pb.hq, pb.sq, pb.d), q.dtype, q),
                    _result((pb.b, pb.hq, 1, pb.sq), _F32, q)],
         compiler_params=_compiler_params(3, 1),
         interpret=interpret, name="lctrain_flash_forward",
-    )(*bounds, _heads_major(q), _heads_major(k), _heads_major(v), *rows)
+    )(*prefetch, _heads_major(q), _heads_major(k), _heads_major(v), *rows)
     return _heads_major(out), lse[:, :, 0, :]
 
 
 def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, causal,
                      block_q, block_kv, interpret):
     pb = _problem(q, k, block_q, block_kv)
-    bounds, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg)
+    prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal)
     # delta_i = sum_d do_i o_i (the softmax-Jacobian term) minus the lse cotangent:
     # ds = p * (dp - delta + dlse) = p * (dp - (delta - dlse)), one row for both.
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(_F32), out.astype(_F32))
@@ -410,38 +246,32 @@ def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg
     # Empty rows keep lse = -inf: they only occur in masked block pairs, where
     # exp(s - lse) = inf is replaced by 0 before it is used.
     lse = _stat_rows(lse)
-    operands = (*bounds, *(_heads_major(x) for x in (q, k, v, dout)), lse, delta, *rows)
-    params = pb.kernel_params(causal)
+    operands = (*prefetch, *(_heads_major(x) for x in (q, k, v, dout)), lse, delta, *rows)
 
-    specs = pb.query_major_specs()
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **params),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(pb.b, pb.hq, pb.nq, pb.nkv),
-            in_specs=[specs.q, specs.kv, specs.kv, specs.q, specs.stat_row, specs.stat_row,
-                      specs.q_row, specs.q_row, specs.kv_row, specs.kv_row],
-            out_specs=specs.q,
-            scratch_shapes=[pltpu.VMEM((block_q, pb.d), _F32)]),
-        out_shape=_result((pb.b, pb.hq, pb.sq, pb.d), q.dtype, q),
-        compiler_params=_compiler_params(3, 1),
-        interpret=interpret, name="lctrain_flash_dq",
-    )(*operands)
-
-    specs = pb.key_major_specs()
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, **params),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(pb.b, pb.hkv, pb.nkv, pb.g, pb.nq),
-            in_specs=[specs.q, specs.kv, specs.kv, specs.q, specs.stat_row, specs.stat_row,
-                      specs.q_row, specs.q_row, specs.kv_row, specs.kv_row],
-            out_specs=[specs.kv, specs.kv],
-            scratch_shapes=[pltpu.VMEM((block_kv, pb.d), _F32),    # dk
-                            pltpu.VMEM((block_kv, pb.d), _F32)]),  # dv
-        out_shape=[_result((pb.b, pb.hkv, pb.skv, pb.d), k.dtype, q),
+    grid, locator, specs = pb.key_major()
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    dq_shape = (pb.b, pb.hq, pb.sq, pb.d)
+    dq, dk, dv = pl.pallas_call(
+        functools.partial(backward_kernel, grid=locator, causal=causal, scale=pb.scale,
+                          block_q=block_q),
+        grid_spec=_grid_spec(
+            grid, [specs.q, specs.kv, specs.kv, specs.q, specs.stat_row, specs.stat_row,
+                   specs.q_row, specs.q_row, specs.kv_row, specs.kv_row, hbm],
+            [hbm, specs.kv, specs.kv],
+            [pltpu.VMEM((block_kv, pb.d), _F32),    # dk
+             pltpu.VMEM((block_kv, pb.d), _F32),    # dv
+             pltpu.VMEM((block_q, pb.d), _F32),     # the dq block being updated
+             pltpu.SemaphoreType.DMA((2,)),         # its read, its write
+             pltpu.SMEM((1,), jnp.int32)]),         # a write is in flight
+        out_shape=[_result(dq_shape, _F32, q),
+                   _result((pb.b, pb.hkv, pb.skv, pb.d), k.dtype, q),
                    _result((pb.b, pb.hkv, pb.skv, pb.d), v.dtype, q)],
-        compiler_params=_compiler_params(3, 2),
-        interpret=interpret, name="lctrain_flash_dkv",
-    )(*operands)
+        # dq sums over kv blocks: only batch and kv heads may be split across cores.
+        compiler_params=_compiler_params(2, 3),
+        input_output_aliases={N_PREFETCH + 10: 0},
+        interpret=interpret, name="lctrain_flash_backward",
+    )(*operands, *_vary_alike(jnp.zeros(dq_shape, _F32), q)[:1])
+    dq = (pb.scale * dq).astype(q.dtype)
     return _heads_major(dq), _heads_major(dk), _heads_major(dv)
 
 

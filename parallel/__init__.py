@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
+from lctrain.recipes import schema
 from lctrain.recipes.schema import Recipe, RecipeError
 
 from .all_gather import AllGather
@@ -14,10 +15,17 @@ from .strategy import ContextStrategy, load_balanced_order
 from .ulysses import Ulysses
 from .usp import UnifiedSequenceParallel
 
+# The registry: every strategy class, its cost model included (the planner reads it
+# here).
 STRATEGIES: dict[str, type[ContextStrategy]] = {
-    strategy.name: strategy for strategy in (NoContextParallel, AllGather, Ulysses, Ring,
-                                   UnifiedSequenceParallel)
+    strategy.name: strategy for strategy in (NoContextParallel, AllGather, Ulysses,
+                                             Ring, UnifiedSequenceParallel)
 }
+# The recipe schema cannot import this registry (it is read before jax starts), so it
+# keeps the names; they must be these, plus auto.
+assert schema.STRATEGIES == (*STRATEGIES, "auto"), (schema.STRATEGIES, tuple(STRATEGIES))
+assert len({s.simplicity for s in STRATEGIES.values()}) == len(STRATEGIES), \
+    "each strategy needs its own simplicity rank (the planner's tie-break)"
 
 
 def strategy_class(recipe: Recipe) -> type[ContextStrategy]:

@@ -1,10 +1,10 @@
 """parallel.strategy=auto: pick a context-parallel strategy from the planner's estimate.
 
-`parallel/planner.py` estimates every strategy the mesh allows (per-device memory at the
-step's peak, traffic, step time); auto takes its recommendation: among the strategies that
-fit in device memory, the fastest estimated step, the simplest when they are within a
-few percent; when none fits, the one that needs the least memory. The run prints the
-choice and the planner's reason.
+The planner (`parallel/planner/`) estimates every strategy the mesh allows (per-device
+memory at the step's peak, traffic, step time); auto takes its recommendation: among the
+strategies that fit in device memory, the fastest estimated step, the simplest when they
+are within a few percent; when none fits, the one that needs the least memory. The run
+prints the choice and the planner's reason.
 """
 
 from __future__ import annotations

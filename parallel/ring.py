@@ -2,13 +2,18 @@
 
 Step t of c: chip i holds the K/V chunk of chip i-t, attends its own queries to it, and
 folds the partial result into a running (out, logsumexp). The next chunk is sent on
-before the local work starts, so XLA can overlap the transfer with the compute.
+before the step's kernel runs, so the transfer overlaps it; the last chunk to arrive is
+not sent on (c-1 sends).
 
 The backward pass is written by hand (custom VJP) so that memory stays O(s/c): the
-forward keeps only q, k, v, out and logsumexp; the backward rotates K/V once more,
-recomputes each step's gradients from the final out/logsumexp, and sends the dK/dV
-accumulators around the ring with their K/V, so after c steps they are back home.
-Steps with nothing to attend (a chunk entirely in the causal future) are skipped.
+forward keeps only q, k, v, out and logsumexp; the backward rotates K/V once more and
+recomputes each step's gradients from the final out/logsumexp. Chip j's dK/dV are summed
+on the way round: the sum starts on chip j+1, which holds j's K/V at step 1, gains each
+later chip's share and reaches chip j-1 at the last step; one more send brings it home,
+where chip j adds its own share (c-1 sends, as for K/V). A step adds the sum that arrived
+during its kernel to the block's fresh dK/dV only after the kernel, so that transfer
+overlaps the kernel too. Steps with nothing to attend (a chunk entirely in the causal
+future) are skipped.
 """
 
 from __future__ import annotations
@@ -20,12 +25,45 @@ import jax.numpy as jnp
 
 from lctrain import kernels
 from lctrain.kernels.residuals import named_results
+from lctrain.parallel.chips import Chip
+from lctrain.parallel.cost_model import AttentionFootprint, Dims, RingTiming, Traffic
+from lctrain.parallel.ring_cost import ring_attention_footprint, ring_timing, ring_traffic
 from lctrain.parallel.strategy import CONTEXT_AXIS, ContextStrategy
 from lctrain.recipes.schema import Recipe
+
+# The dtype dK/dV partial sums cross the ring in; each chip adds in f32. bf16 would halve
+# those bytes (the backward's sends: 4 instead of 6 K-sized bf16 units per step), but each
+# hop rounds the running sum once more. Measured with bf16 q, k, v against the dense f32
+# reference (tests/test_ring.py's inputs, 512 tokens), relative RMS error of dk / dv:
+# f32 3.4e-3 / 3.3e-3 at c = 4 and 8 (the kernel's bf16 and the final rounding); bf16
+# 3.6e-3 / 3.4e-3 at c = 4, 4.1e-3 / 3.8e-3 at c = 8, growing as sqrt(c-1) roundings.
+# Max error / max |ref| moves by at most one bf16 step (5.1e-3 -> 5.7e-3 for dk at c = 8);
+# the bf16 model's weight gradients against one device differ alike (8.6e-3 RMS either
+# way at c = 8). f32: the error stays the kernel's at any c, and the extra bytes cost time
+# only where a ring step's sends outlast its kernel, at short chunks, where the planner
+# prefers other strategies.
+DKV_TRANSPORT_DTYPE = jnp.float32
 
 
 class Ring(ContextStrategy):
     name = "ring"
+    simplicity = 4
+
+    @classmethod
+    def degrees(cls, context: int, ulysses: int) -> tuple[int, int]:
+        return 1, context
+
+    @classmethod
+    def attention_footprint(cls, dm: Dims) -> AttentionFootprint:
+        return ring_attention_footprint(dm)
+
+    @classmethod
+    def traffic(cls, dm: Dims) -> Traffic:
+        return ring_traffic(dm)
+
+    @classmethod
+    def ring_timing(cls, dm: Dims, chip: Chip) -> RingTiming:
+        return ring_timing(dm, chip)
 
     @classmethod
     def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:
@@ -51,6 +89,10 @@ def _send_to_next(x, axis_name):
     return jax.lax.ppermute(x, axis_name, perm=[(i, (i + 1) % size) for i in range(size)])
 
 
+def _send_all(xs, axis_name):
+    return tuple(_send_to_next(x, axis_name) for x in xs)
+
+
 def _may_attend(q_positions, kv_positions):
     """False only when every key of the chunk lies in the causal future of every query."""
     return jnp.max(q_positions) >= jnp.min(kv_positions)
@@ -73,8 +115,21 @@ def _tied(tensors):
     Positions and segment ids are the same in every layer; anything computed from them
     alone (which ring steps to skip, the kernel's masks) XLA would hoist out of the layer
     loop and keep for every ring step at once. Tied to the layer's K/V they stay in it.
+
+    Every ring step also starts and ends with a tie of all it carries: a send then cannot
+    start before the step does (XLA would run the whole K/V rotation ahead, every chunk
+    held at once), and what it delivers is first needed at the step's end, after the
+    kernel, so XLA's scheduler keeps the transfer in flight across the kernel.
     """
     return jax.lax.optimization_barrier(tensors)
+
+
+def _chunk(k, v, positions, segment_ids):
+    """What travels for a K/V chunk: k, v and its token ids, positions and segment ids in
+    one array. XLA keeps at most 5 collective-permutes in flight on TPU
+    (xla_max_concurrent_async_collective_permutes): a middle backward step sends K, V, the
+    ids and the dK/dV sum (stacked too), 4; as six arrays, one would wait for the others."""
+    return k, v, jnp.stack([positions, segment_ids])
 
 
 def _forward(q, k, v, positions, segment_ids, axis_name, kernel_options):
@@ -82,29 +137,30 @@ def _forward(q, k, v, positions, segment_ids, axis_name, kernel_options):
     b, s, h, d = q.shape
     q, positions, segment_ids = _tied((q, positions, segment_ids))
 
-    def attend_and_merge(out, lse, k, v, kv_positions, kv_segment_ids):
-        block = kernels.attention(q, k, v, q_positions=positions, kv_positions=kv_positions,
-                                  q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+    def attend_and_merge(out, lse, k, v, ids):
+        block = kernels.attention(q, k, v, q_positions=positions, kv_positions=ids[0],
+                                  q_segment_ids=segment_ids, kv_segment_ids=ids[1],
                                   causal=True, return_lse=True, **options)
         return _merge(out, lse, *block)
 
     def skip(out, lse, *_):
         return out, lse
 
-    def step(carry, _):
-        out, lse, kv = carry
-        kv = _tied(kv)
-        next_kv = tuple(_send_to_next(x, axis_name) for x in kv)
+    def step(out, lse, kv, send):
+        out, lse, kv = _tied((out, lse, kv))
+        next_kv = _send_all(kv, axis_name) if send else None
         # The skipped branch hands the running result through: a branch that made a
         # constant block (zeros, -inf) would be hoisted out of the layer loop by XLA, one
         # q-sized buffer per ring step kept for the whole step.
-        out, lse = jax.lax.cond(_may_attend(positions, kv[2]), attend_and_merge, skip,
+        out, lse = jax.lax.cond(_may_attend(positions, kv[2][0]), attend_and_merge, skip,
                                 out, lse, *kv)
-        return (out, lse, next_kv), None
+        return _tied((out, lse, next_kv))
 
     init = (jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
-            (k, v, positions, segment_ids))
-    (out, lse, _), _ = jax.lax.scan(step, init, length=jax.lax.axis_size(axis_name))
+            _chunk(k, v, positions, segment_ids))
+    carry, _ = jax.lax.scan(lambda carry, _: (step(*carry, send=True), None), init,
+                            length=jax.lax.axis_size(axis_name) - 1)
+    out, lse, _ = step(*carry, send=False)
     return out.astype(q.dtype), lse
 
 
@@ -122,29 +178,63 @@ def _ring_fwd(q, k, v, positions, segment_ids, axis_name, kernel_options):
 def _ring_bwd(axis_name, kernel_options, residuals, dout):
     q, k, v, positions, segment_ids, out, lse = residuals
     options = dict(kernel_options)
+    size = jax.lax.axis_size(axis_name)
+    q, positions, segment_ids = _tied((q, positions, segment_ids))
 
-    def accumulate(dq, dk, dv, k, v, kv_positions, kv_segment_ids):
+    def attend(dq, k, v, ids):
         block_dq, block_dk, block_dv = kernels.attention_block_backward(
-            q, k, v, out, lse, dout, q_positions=positions, kv_positions=kv_positions,
-            q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, causal=True, **options)
-        return (dq + block_dq.astype(jnp.float32), dk + block_dk.astype(jnp.float32),
-                dv + block_dv.astype(jnp.float32))
+            q, k, v, out, lse, dout, q_positions=positions, kv_positions=ids[0],
+            q_segment_ids=segment_ids, kv_segment_ids=ids[1], causal=True, **options)
+        return dq + block_dq.astype(jnp.float32), jnp.stack([block_dk, block_dv]).astype(
+            jnp.float32)
 
-    def skip(dq, dk, dv, *_):
-        return dq, dk, dv
+    def skip(dq, k, v, ids):
+        return dq, jnp.zeros((2, *k.shape), jnp.float32)
 
-    def step(carry, _):
-        dq, kv, dk, dv = carry
-        dq, dk, dv = jax.lax.cond(_may_attend(positions, kv[2]), accumulate, skip,
-                                  dq, dk, dv, *kv)
-        # dK/dV travel with their K/V: after the last step both are back on their owner.
-        moved = tuple(_send_to_next(x, axis_name) for x in (*kv, dk, dv))
-        return (dq, moved[:4], *moved[4:]), None
+    def step(dq, kv, partial, send_kv):
+        """Returns dq, the next K/V chunk and this block's dK/dV (stacked, f32) plus the
+        sum that arrived for them; `partial` is the sum to pass on, None when none."""
+        dq, kv, partial = _tied((dq, kv, partial))
+        next_kv = _send_all(kv, axis_name) if send_kv else None
+        arrived = _sent_on(partial, axis_name)
+        dq, fresh = jax.lax.cond(_may_attend(positions, kv[2][0]), attend, skip, dq, *kv)
+        return _tied((dq, next_kv, _plus(fresh, arrived)))
 
-    init = (jnp.zeros(q.shape, jnp.float32), (k, v, positions, segment_ids),
-            jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    (dq, _, dk, dv), _ = jax.lax.scan(step, init, length=jax.lax.axis_size(axis_name))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    dq = jnp.zeros(q.shape, jnp.float32)
+    # Step 0, the chip's own chunk: its dK/dV stay here until the others' sum comes home.
+    dq, kv, dkv = step(dq, _chunk(k, v, positions, segment_ids), None, send_kv=size > 1)
+    if size > 1:
+        dq, partial = _steps_after_the_first(step, dq, kv, size)
+        dkv = _plus(dkv, _sent_on(partial, axis_name))
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
+
+
+def _steps_after_the_first(step, dq, kv, size):
+    """Steps 1 .. c-1 of the backward: dq and the dK/dV sum still to send home.
+
+    Step 1 has no sum to receive yet and the last step no K/V to send on; the steps in
+    between are all alike, one scan (one kernel call in the program for any c).
+    """
+    dq, kv, partial = step(dq, kv, None, send_kv=size > 2)
+    if size > 3:
+        (dq, kv, partial), _ = jax.lax.scan(
+            lambda carry, _: (step(*carry, send_kv=True), None), (dq, kv, partial),
+            length=size - 3)
+    if size > 2:
+        dq, _, partial = step(dq, kv, partial, send_kv=False)
+    return dq, partial
+
+
+def _sent_on(partial, axis_name):
+    """A dK/dV sum sent to the next chip (in DKV_TRANSPORT_DTYPE); None stays None."""
+    if partial is None:
+        return None
+    return _send_to_next(partial.astype(DKV_TRANSPORT_DTYPE), axis_name)
+
+
+def _plus(fresh, arrived):
+    """The block's f32 dK/dV plus the sum that arrived for them (if any)."""
+    return fresh if arrived is None else fresh + arrived.astype(jnp.float32)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -5,12 +5,14 @@ mesh-sharded arrays ([batch, seq, heads, head_dim]). `attend` enters a shard_map
 whole mesh (kernels such as Mosaic's must run inside one) and hands each device its
 shard: a strategy only writes `local_attention`, deciding how the device's chunk of the
 sequence meets the rest of it, and calls the kernel from `lctrain.kernels` for the work.
+Its cost model (classmethods below, formulas over parallel/cost_model.Dims) tells the
+planner what that costs per device.
 """
 
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +21,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lctrain import kernels
 from lctrain.kernels import pallas, splash
+from lctrain.parallel.cost_model import (F32, AttentionFootprint, Dims, NotOnThisMesh,
+                                         RingTiming, Traffic)
 from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_spec
 from lctrain.recipes import stored_chunks
 from lctrain.recipes.schema import Recipe, RecipeError
+
+if TYPE_CHECKING:
+    from lctrain.parallel.chips import Chip
 
 CONTEXT_AXIS = "context"
 HEADS_SPEC = P(LOGICAL_TO_MESH["batch"], LOGICAL_TO_MESH["sequence"], "tensor", None)
@@ -30,6 +37,12 @@ TOKENS_SPEC = P(LOGICAL_TO_MESH["batch"], LOGICAL_TO_MESH["sequence"])
 
 class ContextStrategy:
     name: ClassVar[str]
+    # The planner's tie-break: of the plans whose step times are near-equal, the lowest
+    # simplicity (the simplest strategy to run and debug) is recommended.
+    simplicity: ClassVar[int]
+    # parallel.ulysses sets this strategy's Ulysses degree, so a plan of it is one degree
+    # (shown as name(u=degree)).
+    takes_ulysses_degree: ClassVar[bool] = False
 
     def __init__(self, recipe: Recipe, mesh: Mesh):
         self.mesh = mesh
@@ -53,6 +66,46 @@ class ContextStrategy:
     def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:
         """(queries, keys) of one kernel call on a device: its chunk against the sequence."""
         return recipe.data.seq_len // axis_sizes["context"], recipe.data.seq_len
+
+    # ------------------------------------------------ cost model (the planner's) ----
+
+    @classmethod
+    def planned_ulysses_degree(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> int:
+        """The Ulysses degree the planner weighs this strategy at on this mesh (1 where it
+        has none); raises NotOnThisMesh where the strategy cannot run. Splitting the
+        sequence needs a context axis."""
+        if axis_sizes["context"] == 1:
+            raise NotOnThisMesh("mesh.context is 1")
+        return 1
+
+    @classmethod
+    def degrees(cls, context: int, ulysses: int) -> tuple[int, int]:
+        """(Ulysses degree, ring degree) at mesh.context `context` and parallel.ulysses
+        `ulysses`: neither by default."""
+        return 1, 1
+
+    @classmethod
+    def attention_footprint(cls, dm: Dims) -> AttentionFootprint:
+        """The attention's working set in one layer's backward, and its kernel call."""
+        raise NotImplementedError
+
+    @classmethod
+    def kernel_residuals(cls, dm: Dims) -> float:
+        """remat.policy=save_all: what the attention kernel keeps per layer (its custom VJP
+        residuals); by default for the local queries and the local K, V."""
+        return query_residuals(dm) + 2 * dm.b * dm.s_l * dm.kv * dm.d * dm.p
+
+    @classmethod
+    def traffic(cls, dm: Dims) -> Traffic:
+        """Bytes the strategy's own collectives deliver to one device per micro-batch, by
+        source (named strategy_*). All of it is on the critical path (attention waits
+        for it) but for a ring's sends (source RING_SENDS), which ring_timing weighs."""
+        raise NotImplementedError
+
+    @classmethod
+    def ring_timing(cls, dm: Dims, chip: Chip) -> RingTiming | None:
+        """Strategies with a ring: how its sends and merges weigh against its work."""
+        return None
 
     def sequence_order(self, seq_len: int) -> np.ndarray | None:
         """Token order the batch is stored in on device; None keeps the natural order.
@@ -108,6 +161,13 @@ class ContextStrategy:
         return kernels.attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
                                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                                  causal=True, return_lse=return_lse, **self.kernel_options)
+
+
+def query_residuals(dm: Dims) -> float:
+    """What an attention kernel keeps of its local queries for the backward: q, out (compute
+    dtype) and the f32 logsumexp."""
+    tokens = dm.b * dm.s_l
+    return tokens * (2 * dm.h * dm.d * dm.p + dm.h * F32)
 
 
 def stored_chunk_tokens(recipe: Recipe, context: int) -> int:

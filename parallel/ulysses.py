@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lctrain.parallel.cost_model import (F32, TOKEN_IDS, AttentionFootprint, Dims,
+                                         NotOnThisMesh, Traffic)
 from lctrain.parallel.strategy import CONTEXT_AXIS, ContextStrategy
 from lctrain.recipes.schema import Recipe, RecipeError
 
@@ -44,8 +46,15 @@ def check_ulysses_degree(recipe: Recipe, axis_sizes: dict[str, int], degree: int
             f"divide them; use a smaller degree, or ring/usp for the rest")
 
 
+def ulysses_degree_limit(recipe: Recipe, axis_sizes: dict[str, int]) -> int:
+    """Largest Ulysses degree dividing both the query heads per tensor shard and
+    mesh.context (check_ulysses_degree)."""
+    return math.gcd(recipe.model.n_heads // axis_sizes["tensor"], axis_sizes["context"])
+
+
 class Ulysses(ContextStrategy):
     name = "ulysses"
+    simplicity = 2
 
     @classmethod
     def check(cls, recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu") -> None:
@@ -61,6 +70,52 @@ class Ulysses(ContextStrategy):
             return self.kernel(q, k, v, positions, positions, segment_ids, segment_ids)
 
         return ulysses_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS, attend)
+
+    @classmethod
+    def planned_ulysses_degree(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> int:
+        degree = super().planned_ulysses_degree(recipe, axis_sizes)
+        context = axis_sizes["context"]
+        if ulysses_degree_limit(recipe, axis_sizes) != context:
+            heads = recipe.model.n_heads // axis_sizes["tensor"]
+            raise NotOnThisMesh(f"the {heads} query heads per tensor shard do not split "
+                                f"{context} ways")
+        return degree
+
+    @classmethod
+    def degrees(cls, context: int, ulysses: int) -> tuple[int, int]:
+        return context, 1
+
+    @classmethod
+    def attention_footprint(cls, dm: Dims) -> AttentionFootprint:
+        """The whole sequence for h/u heads: q, out, dout (compute dtype) and f32 dq; k, v
+        (KV heads repeated up to the degree) and their f32 gradients."""
+        b, s, d, p = dm.b, dm.s, dm.d, dm.p
+        heads = dm.h // dm.u
+        kv = max(math.lcm(dm.kv, dm.u) // dm.u, 1)
+        working_set = b * s * (heads * d * (3 * p + F32) + 2 * kv * d * (p + F32) + TOKEN_IDS)
+        return AttentionFootprint(working_set, s, s, heads, kv)
+
+    @classmethod
+    def traffic(cls, dm: Dims) -> Traffic:
+        return ulysses_traffic(dm)
+
+
+def ulysses_traffic(dm: Dims) -> Traffic:
+    """The all-to-alls over the Ulysses degree dm.u: q, k, v, out per forward pass (a
+    recomputation under remat.policy=minimal keeps `context`, so it skips out's way back),
+    dout, dq, dk, dv in the backward; positions and segment ids gathered over the group
+    per forward pass (the first forward's once per step: XLA hoists them out of the
+    layers)."""
+    b, s_l, d, p, L, u = dm.b, dm.s_l, dm.d, dm.p, dm.layers, dm.u
+    passes = dm.attention_passes
+    q_local = b * s_l * dm.h * d * p
+    kv_local = b * s_l * dm.kv_repeated * d * p
+    recompute_out = 0 if dm.remat == "minimal" else 1
+    per_layer = (2 * q_local + 2 * kv_local) * 2 \
+        + (passes - 1) * (q_local * (1 + recompute_out) + 2 * kv_local)
+    return {"strategy_all_to_all": ("all-to-all", L * per_layer * (u - 1) / u),
+            "strategy_ids": ("all-gather", ((passes - 1) * L + 1) * b * s_l * u * TOKEN_IDS
+                             * (u - 1) / u)}
 
 
 def ulysses_attention(q, k, v, positions, segment_ids, axis_name, attend_full_sequence):

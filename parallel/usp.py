@@ -8,9 +8,14 @@ The Ulysses degree is capped by the heads; the ring takes the rest of the sequen
 
 from __future__ import annotations
 
+from lctrain.parallel.chips import Chip
+from lctrain.parallel.cost_model import (AttentionFootprint, Dims, NotOnThisMesh, RingTiming,
+                                         Traffic)
 from lctrain.parallel.ring import ring_attention
+from lctrain.parallel.ring_cost import ring_attention_footprint, ring_timing, ring_traffic
 from lctrain.parallel.strategy import CONTEXT_AXIS, ContextStrategy
-from lctrain.parallel.ulysses import check_ulysses_degree, ulysses_attention
+from lctrain.parallel.ulysses import (check_ulysses_degree, ulysses_attention,
+                                      ulysses_degree_limit, ulysses_traffic)
 from lctrain.recipes.schema import Recipe, RecipeError
 
 ULYSSES_AXIS = "ulysses"
@@ -18,6 +23,8 @@ ULYSSES_AXIS = "ulysses"
 
 class UnifiedSequenceParallel(ContextStrategy):
     name = "usp"
+    simplicity = 3
+    takes_ulysses_degree = True
 
     @classmethod
     def check(cls, recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu") -> None:
@@ -43,3 +50,32 @@ class UnifiedSequenceParallel(ContextStrategy):
 
         return ulysses_attention(q, k, v, positions, segment_ids, ULYSSES_AXIS,
                                  ring_over_groups)
+
+    @classmethod
+    def planned_ulysses_degree(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> int:
+        """The largest Ulysses degree the heads allow that still leaves a ring (the whole
+        of mesh.context would be ulysses itself)."""
+        super().planned_ulysses_degree(recipe, axis_sizes)
+        context, limit = axis_sizes["context"], ulysses_degree_limit(recipe, axis_sizes)
+        degree = max((u for u in range(2, context) if context % u == 0 and limit % u == 0),
+                     default=None)
+        if not degree:
+            raise NotOnThisMesh("no Ulysses degree between 1 and mesh.context divides the heads")
+        return degree
+
+    @classmethod
+    def degrees(cls, context: int, ulysses: int) -> tuple[int, int]:
+        return ulysses, context // max(ulysses, 1)
+
+    @classmethod
+    def attention_footprint(cls, dm: Dims) -> AttentionFootprint:
+        """The ring's, over groups: s/r tokens of h/u heads per ring step."""
+        return ring_attention_footprint(dm)
+
+    @classmethod
+    def traffic(cls, dm: Dims) -> Traffic:
+        return {**ulysses_traffic(dm), **ring_traffic(dm)}
+
+    @classmethod
+    def ring_timing(cls, dm: Dims, chip: Chip) -> RingTiming:
+        return ring_timing(dm, chip)

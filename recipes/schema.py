@@ -51,6 +51,8 @@ REMAT_TENSORS = (
     "context", "out_proj", "mlpwi", "mlpwo",
 )
 
+# The context-parallel strategies, as parallel/__init__.py registers them (it asserts
+# that they agree: that registry needs jax, which this module must not import), and auto.
 STRATEGIES = ("none", "all_gather", "ulysses", "ring", "usp", "auto")
 
 
@@ -182,7 +184,7 @@ class MeshConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: Literal["none", "all_gather", "ulysses", "ring", "usp", "auto"] = option(
+    strategy: Literal[STRATEGIES] = option(
         "none", "Context-parallel strategy; 'none' needs mesh.context == 1, the others but "
                 "auto mesh.context >= 2.")
     load_balance: bool = option(

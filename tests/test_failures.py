@@ -116,7 +116,7 @@ def test_plan_compiles_are_each_timed(monkeypatch):
                                 "data.seq_len=4096", "data.batch_size=1"])
     result = planner.plan(recipe, chips.chip_named("v5p:2x2x1").per_device(),
                           check_against_devices(recipe, 4), "tpu")
-    monkeypatch.setattr(planner, "compile_figures",
+    monkeypatch.setattr(planner.compiled, "compile_figures",
                         lambda candidate, devices: {"hbm_bytes": 2**30 if
                                                     candidate.data.seq_len <= 8192 else 2**40,
                                                     "host_bytes": 0, "collective_bytes": {},

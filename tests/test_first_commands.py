@@ -66,6 +66,7 @@ def test_first_line_of_a_run_names_its_devices_and_keeps_brackets(tmp_path):
 # --------------------------------------------------------------- square brackets ----
 
 def test_plan_table_keeps_brackets_of_the_model_folder():
+    from lctrain.cli.plan_render import render
     from lctrain.parallel import chips, planner
     from lctrain.recipes import load_recipe
 
@@ -74,7 +75,7 @@ def test_plan_table_keeps_brackets_of_the_model_folder():
     sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
     result = planner.plan(recipe, chips.CHIPS["v5p"], sizes)
     out = io.StringIO()
-    planner.render(result, Console(file=out, width=200), title="hf:/models/[v2], seq 256")
+    render(result, Console(file=out, width=200), title="hf:/models/[v2], seq 256")
     assert "hf:/models/[v2], seq 256" in out.getvalue()
     assert f"recommended: {result.choice.name} - {result.reason}" in out.getvalue()
 

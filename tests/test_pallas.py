@@ -205,8 +205,8 @@ def test_tpu_block_sizes():
 def test_compiles_for_tpu_v5p_through_mosaic():
     """Forward + backward and the ring-style block backward, compiled for 4 TPU v5p chips
     inside a shard_map with its default check_vma=True (kernel_harness): the HLO holds
-    the Mosaic kernels (forward, dq, dk/dv, then dq, dk/dv of the block backward)."""
+    the Mosaic kernels (forward, the fused backward, then the block backward's)."""
     hlo = compiled_for_four_v5p_chips(pallas, check_vma=True)
-    assert hlo.count('custom_call_target="tpu_custom_call"') == 5
-    for kernel in ("lctrain_flash_forward", "lctrain_flash_dq", "lctrain_flash_dkv"):
+    assert hlo.count('custom_call_target="tpu_custom_call"') == 3
+    for kernel in ("lctrain_flash_forward", "lctrain_flash_backward"):
         assert kernel in hlo

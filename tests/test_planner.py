@@ -1,4 +1,4 @@
-"""The planner (parallel/planner.py): its analytic figures against hand-computed ones
+"""The planner (parallel/planner/): its analytic figures against hand-computed ones
 (fast), `lctrain plan --json` (fast), the --max-seq search (fast), and its accuracy
 against XLA's own per-chip figures for a real TPU topology (slow, needs libtpu)."""
 
@@ -60,6 +60,20 @@ def test_dimensions_the_mesh_does_not_divide_stay_whole():
     sizes = {"data": 1, "fsdp": 1, "context": 64, "tensor": 1}
     estimate = planner.estimate(recipe, sizes, V5P, "ring")
     assert estimate.memory["state"] == 12 * planner.count_parameters(recipe)
+
+
+def test_every_registered_strategy_has_a_cost_model():
+    """The planner asks each strategy class for its own terms: a strategy in the registry
+    without them would fail here, not in a user's plan."""
+    from lctrain.parallel import STRATEGIES
+    for name, strategy in STRATEGIES.items():
+        sizes = CONTEXT4 if name != "none" else {**CONTEXT4, "context": 1}
+        estimate = planner.estimate(tiny(), sizes, V5P, name, 2)
+        assert estimate.memory["attention"] > 0
+        dims = planner.shapes.dims(tiny(), sizes, name, 2)
+        own = set(strategy.traffic(dims))
+        assert own <= set(estimate.comm_detail) and all(s.startswith("strategy_") for s in own)
+        assert (estimate.ring_hidden is None) == (strategy.ring_timing(dims, V5P) is None)
 
 
 # --------------------------------------------------------- communication ----
@@ -323,7 +337,7 @@ FULL_GRID = [(model, seq, remat, strategy) for model in MODELS for seq in (8192,
 SMALL_GRID = [("tiny512", 8192, "full", "all_gather"), ("tiny512", 8192, "minimal", "ring")]
 GRID = FULL_GRID if os.environ.get("LCTRAIN_PLANNER_GRID") == "full" else SMALL_GRID
 # Over the full grid the planner reaches 13.4% worst for HBM and 3.3% for collectives
-# (see the module docstring of parallel/planner.py).
+# (see the module docstring of parallel/planner/memory.py).
 HBM_TOLERANCE = 0.15
 COMM_TOLERANCE = 0.05
 

@@ -184,7 +184,8 @@ def pallas_kernels(jaxpr, in_backward=False):
 def forward_kernels_in_backward(sets: list[str]) -> int:
     """Attention forward kernels the backward of one layer runs (the scanned layer's
     `remat2` recomputation), in the gradient's jaxpr after dead-code elimination (what jit
-    lowers): 0 when the policy kept attention's results."""
+    lowers; call sites, so a ring's peeled last step counts twice): 0 when the policy kept
+    attention's results."""
     from jax._src.interpreters.partial_eval import dce_jaxpr
 
     from lctrain.parallel import make_strategy
@@ -203,19 +204,19 @@ def forward_kernels_in_backward(sets: list[str]) -> int:
     jaxpr = jax.make_jaxpr(grad)(trainable.abstract_state.params, batch).jaxpr
     jaxpr, _ = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
     kernels = pallas_kernels(jaxpr)
-    assert {name for name, in_backward in kernels if in_backward} >= {"lctrain_flash_dq"}
+    assert {name for name, in_backward in kernels if in_backward} >= {"lctrain_flash_backward"}
     return sum(name == "lctrain_flash_forward" and in_backward for name, in_backward in kernels)
 
 
 @pytest.mark.parametrize("strategy", [["parallel.strategy=none"],
                                       ["parallel.strategy=ring", "mesh.context=4"]])
 @pytest.mark.parametrize("policy, reruns", [
-    (["remat.policy=full"], 1), (["remat.policy=minimal"], 0),
-    (["remat.policy=custom", "remat.tensors={context: device}"], 0),
-    (["remat.policy=custom", "remat.tensors={out_proj: device}"], 1)])
+    (["remat.policy=full"], True), (["remat.policy=minimal"], False),
+    (["remat.policy=custom", "remat.tensors={context: device}"], False),
+    (["remat.policy=custom", "remat.tensors={out_proj: device}"], True)])
 def test_kept_context_means_no_attention_forward_in_backward(strategy, policy, reruns):
     """out and logsumexp are named 'context' inside the kernels' (and ring's) forward
     rules; a name on the output outside them would leave lse unnamed, and every policy
     would re-run attention's forward to get it back. (context: offload is left out: jax
     then recomputes the kernels' residuals unless the strategy is ring.)"""
-    assert forward_kernels_in_backward(strategy + policy) == reruns
+    assert (forward_kernels_in_backward(strategy + policy) > 0) == reruns

@@ -1,0 +1,72 @@
+"""`lctrain plan`'s tables: the planner's result (parallel/planner) for a terminal."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lctrain.parallel.planner import Plan
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**30:,.2f}"
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:,.1f} ms" if x >= 1e-3 else f"{x * 1e6:,.0f} us"
+
+
+def render(result: Plan, console, title: str = "") -> None:
+    """The plan as a rich table, one row per strategy, then the recommendation."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    compiled = any(p.compiled is not None for p in result.plans)
+    # Escaped: a model folder (hf:<dir>) may hold square brackets, rich's markup.
+    table = Table(title=escape(title) or None, title_justify="left")
+    for name, justify in (("strategy", "left"), ("HBM\nGiB/device", "right"),
+                          ("host\nGiB/device", "right"), ("comm\nGiB/step", "right"),
+                          ("comm time /\ncompute time", "right"), ("MFU\nbound", "right"),
+                          ("ring\nhidden", "center"), ("fits", "center")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    if compiled:
+        for name in ("XLA HBM\nGiB/device", "HBM\ngap", "XLA comm\nGiB/step", "comm\ngap"):
+            table.add_column(name, justify="right", no_wrap=True)
+    for p in result.plans:
+        row = [p.name, _gib(p.hbm_bytes), _gib(p.host_bytes), _gib(p.comm_bytes),
+               f"{_seconds(p.comm_s)} / {_seconds(p.compute_s)}", f"{p.mfu_bound:.0%}",
+               {None: "-", True: "yes", False: "no"}[p.ring_hidden],
+               "[green]yes[/]" if p.fits else "[red]no[/]"]
+        if compiled:
+            c = p.compiled_json() if p.compiled is not None else {}
+            hbm_gap, comm_gap = c.get("hbm_gap_percent"), c.get("comm_gap_percent")
+            row += [_gib(c.get("compiled_hbm_bytes_per_device"))
+                    if c.get("compiled_hbm_bytes_per_device") is not None else "OOM",
+                    "-" if hbm_gap is None else f"{hbm_gap:+.1f}%",
+                    _gib(c.get("compiled_comm_bytes_per_step")),
+                    "-" if comm_gap is None else f"{comm_gap:+.1f}%"]
+        table.add_row(*row)
+    console.print(table)
+    for strategy, why in result.skipped.items():
+        if strategy != "none":
+            console.print(f"[dim]{strategy}: {escape(why)}[/]", highlight=False)
+    if result.choice is not None:
+        console.print(f"recommended: [bold]{result.choice.name}[/] - {escape(result.reason)}",
+                      highlight=False, soft_wrap=True)
+
+
+def render_max_seq(longest: dict[str, dict[str, int]], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="longest sequence that fits", title_justify="left")
+    table.add_column("strategy")
+    table.add_column("estimated", justify="right")
+    compiled = any("compiled" in v for v in longest.values())
+    if compiled:
+        table.add_column("compiled", justify="right")
+    for name, figures in longest.items():
+        row = [name, f"{figures['estimated']:,}"]
+        if compiled:
+            row.append(f"{figures['compiled']:,}")
+        table.add_row(*row)
+    console.print(table)

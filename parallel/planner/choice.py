@@ -1,0 +1,79 @@
+"""Which strategies the mesh allows, their plans, and the one to recommend."""
+
+from __future__ import annotations
+
+from lctrain.parallel import STRATEGIES
+from lctrain.parallel.chips import Chip
+from lctrain.parallel.cost_model import NotOnThisMesh
+from lctrain.parallel.planner.estimate import estimate, recipe_for_strategy
+from lctrain.parallel.planner.results import Plan, StrategyPlan
+from lctrain.parallel.strategy import check_kernel_layout
+from lctrain.recipes.schema import Recipe, RecipeError
+
+# A strategy whose estimated step time is within this factor of the fastest counts as a tie
+# (smaller than the estimate's own error: it only settles near-equal cases).
+TIE = 1.005
+
+
+def plan(recipe: Recipe, chip: Chip, axis_sizes: dict[str, int],
+         platform: str = "tpu") -> Plan:
+    """Estimates every strategy the mesh allows and recommends one."""
+    options, skipped = candidates(recipe, axis_sizes, platform)
+    plans = [estimate(recipe, axis_sizes, chip, s, u, platform) for s, u in options]
+    choice, reason = recommend(plans)
+    return Plan(chip, axis_sizes, plans, skipped, choice, reason)
+
+
+def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
+    """Among the plans that fit (StrategyPlan.deciding_fits: compiled figures where there
+    are any), the fastest estimated step (StrategyPlan.step_s); within TIE of it, the
+    simplest (the strategy class's `simplicity`). If none fits, the one that needs the
+    least HBM."""
+    if not plans:
+        return None, "no strategy applies"
+    gib = 2**30
+    source = "compiled" if any(p.compiled for p in plans) else "estimated"
+    fitting = [p for p in plans if p.deciding_fits]
+    if not fitting:
+        best = min(plans, key=lambda p: p.deciding_hbm_bytes)
+        return best, (f"none fits in {best.hbm_capacity / gib:.0f} GiB; {best.name} needs "
+                      f"the least ({best.deciding_hbm_bytes / gib:.2f} GiB per device, "
+                      f"{source})")
+    fastest = min(p.step_s for p in fitting)
+    near = [p for p in fitting if p.step_s <= TIE * fastest]
+    best = min(near, key=lambda p: STRATEGIES[p.strategy].simplicity)
+    bound = "communication" if best.comm_s > best.compute_s else "compute"
+    others = [p.name for p in plans if not p.deciding_fits]
+    speed = "fastest" if best.step_s == fastest else "near-fastest"
+    reason = (f"fits ({best.deciding_hbm_bytes / gib:.2f} of {best.hbm_capacity / gib:.0f} "
+              f"GiB per device, {source}) with the {speed} estimated step ({bound}-bound, "
+              f"MFU <= {best.mfu_bound:.0%})")
+    if len(near) > 1:
+        reason += f"; simplest of {', '.join(p.name for p in near)} (within {TIE - 1:.1%})"
+    if others:
+        reason += f"; {', '.join(others)} would not fit"
+    return best, reason
+
+
+def candidates(recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu"
+               ) -> tuple[list[tuple[str, int]], dict[str, str]]:
+    """[(strategy, ulysses degree)] the mesh allows, simplest first, and why the others
+    are left out."""
+    options, skipped = [], {}
+    for strategy in sorted(STRATEGIES.values(), key=lambda cls: cls.simplicity):
+        try:
+            options.append((strategy.name, strategy.planned_ulysses_degree(recipe, axis_sizes)))
+        except NotOnThisMesh as why:
+            skipped[strategy.name] = str(why)
+    if axis_sizes["context"] == 1:
+        # One strategy, nothing to weigh it against: the run's own recipe check reports a
+        # kernel layout it cannot run.
+        return options, skipped
+    for strategy, ulysses in options:
+        variant = recipe_for_strategy(recipe, strategy, ulysses)
+        try:
+            check_kernel_layout(variant, axis_sizes,
+                                STRATEGIES[strategy].kernel_lengths(variant, axis_sizes), platform)
+        except RecipeError as err:  # splash's or (on TPU) Pallas's tiles do not fit
+            skipped[strategy] = str(err).removeprefix("recipe key 'attention.impl' = 'splash': ")
+    return [(s, u) for s, u in options if s not in skipped], skipped

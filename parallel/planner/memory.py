@@ -1,0 +1,231 @@
+"""What one device holds in HBM (and pinned host memory) at the step's peak.
+
+Memory: a program's peak is what is alive together; per device
+  whole step       state (f32 parameters + AdamW mu, nu, 12 bytes / sharded parameter),
+                   batch, the compute-dtype copies of the stacked layer weights (XLA
+                   hoists the casts out of the layer loop), the saved activations
+                   (remat policy x layers; `full` keeps the layer input, the scan carry);
+  plus the larger of two phases:
+  loss             the output weights gathered and their full f32 gradient, one chunk's
+                   f32 logits, the hidden states cut into chunks and their gradient;
+  layers           f32 gradients (sharded), one layer's gathered weights and full
+                   gradient, the layer's recomputed intermediates (the MLP's
+                   [tokens, d_ff] ones for one chunk with remat.mlp_chunk_tokens), the
+                   strategy's attention working set (gathered K/V and their f32 gradients; head-
+                   sharded q, k, v, out; rotating K/V, f32 dK/dV and out/dq
+                   accumulators), the xla kernel's block scores or the pallas kernel's
+                   head-major copies of q, k, v, out, dout.
+  host             tensors a `custom` remat policy offloads, per layer, and the AdamW
+                   moments with optimizer.offload (8 bytes / sharded parameter; the step
+                   copies them in at its start, so they count on the device at the peak
+                   too), in pinned host memory.
+The strategy's attention working set and what its kernel keeps under save_all come from
+the strategy's own cost model (parallel/cost_model.py); the rest is common to all.
+
+Calibration. XLA's temporary allocation is not the sum of what the code creates: it fuses
+intermediates away, keeps extra copies (relayouts, stacked residuals), and its buffer
+assignment is larger than the live peak. CALIBRATION holds how many copies of each term
+count, fitted on programs compiled for v5p:2x2x1 (mesh.context 4, one sequence): a
+2-layer width-512 and a 4-layer width-1024 / vocab-32K model x all_gather, ulysses, ring
+x remat full, minimal x 8K, 32K tokens with attention.impl=xla (24), plus usp and the
+pallas kernel on four of them. On those 28 programs the estimate is within 13.4% of
+XLA's per-chip HBM (rms 5.5%) and within 3.5% of its collective bytes (what is left: with
+ulysses and full remat XLA gathers wq, wk, wv once more; dK/dV lowered half as
+reduce-scatter, half as all-reduce). Not fitted on, llama3.1-8b on the same 4 chips
+(128K-512K tokens, ring and all_gather, with and without offload or loss chunking) lands
+0.1-14.4% under XLA. Treat memory figures as +-15% near those shapes and as a guide
+beyond them; the traffic figures are formulas of the code, checked exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lctrain import kernels
+from lctrain.kernels import splash
+from lctrain.parallel import STRATEGIES
+from lctrain.parallel.cost_model import F32, AttentionFootprint, Dims
+from lctrain.parallel.planner.shapes import Weights, loss_chunks, mlp_chunk_len
+from lctrain.parallel.strategy import ContextStrategy, stored_chunk_tokens
+from lctrain.recipes.schema import Recipe
+
+SPLASH_LSE_LANES = 128
+
+# How many copies of a tensor are alive at the peak, fitted on compiled programs
+# (tests/test_planner.py, v5p:2x2x1) where the code alone does not decide it.
+CALIBRATION = {
+    # f32 [b, heads, block_q, block_kv] scores, probabilities, dp, ds of one block pair in
+    # the xla kernel's loops.
+    "kernel_block_scores": 1.9,
+    # pallas: head-major copies of the kernel's q, k, v, out, dout (the fit finds none
+    # beyond what the other terms hold).
+    "pallas_layout_copies": 0.0,
+    # The strategy's attention working set in one layer's backward (as the code writes
+    # it: gathered / all-to-all'd / rotating tensors and their gradients), per copy: XLA
+    # reuses buffers between the forward and backward halves.
+    "attention_copies": 0.5,
+    # The same for the ring's rotating blocks and accumulators: XLA overlaps them with the
+    # layer's other backward buffers more than the gathered or head-sharded tensors.
+    "ring_attention_copies": 0.35,
+    # One layer's backward MLP intermediates, in units of 5 [b, tokens, d_ff] (gate, up,
+    # silu(gate) * up and two gradients; tokens: one chunk with remat.mlp_chunk_tokens).
+    "layer_backward": 1.0,
+    # [b, s_l, d_model] compute-dtype tensors alive in one layer's backward (inputs,
+    # residuals, norms, projections and their gradients).
+    "layer_width_tensors": 7.0,
+    # Saved named tensors (minimal, custom) per copy the policy implies: XLA keeps the
+    # scan's stacked residuals and a relayout of some of them.
+    "saved_copies": 1.5,
+    # Compute-dtype copies of the stacked layer weights: the hoisted casts (one) and
+    # relayouts for the backward's transposed matmuls; also absorbs buffer-assignment
+    # overhead that grows with the model (Llama 3.1 8B).
+    "weight_copies": 2.75,
+    # f32 gradient buffers in the layers' backward.
+    "gradient_copies": 1.0,
+    # Copies of the gathered output weights (compute dtype) in the loss backward.
+    "head_weight_copies": 1.0,
+    # One chunk's f32 logits: the logits and their softmax / gradient.
+    "logits_copies": 1.4,
+}
+
+# The terms of each phase; the peak holds the larger phase and everything else.
+PHASES = {"loss": ("loss_head", "loss_logits"),
+          "layers": ("gradients", "embedding_gradient", "layer_weights", "layer_backward",
+                     "attention", "kernel_scratch")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    terms: dict[str, float]          # HBM bytes per device by term
+    host: dict[str, float]           # pinned host bytes per device by term
+    peak_phase: str
+    peak_terms: tuple[str, ...]      # the terms alive together at the peak
+
+
+def kernel_impl(recipe: Recipe, platform: str, axis_sizes: dict[str, int]) -> str:
+    """The attention kernel the run uses on `platform` (as kernels.attention resolves it
+    for the strategy's kernel calls)."""
+    if platform == "gpu":
+        return "xla"  # the TPU kernels fall back to xla.py's there
+    chunk = stored_chunk_tokens(recipe, axis_sizes["context"])
+    lengths = STRATEGIES[recipe.parallel.strategy].kernel_lengths(recipe, axis_sizes)
+    blocks = recipe.attention.block_q, recipe.attention.block_kv
+    impl = kernels.impl_for_call(recipe.attention.impl, platform, *lengths, *blocks, chunk)
+    if impl == "splash" and not splash.supports(*lengths, *blocks, chunk):
+        return "pallas"  # an explicit splash the recipe check refuses: estimate the fallback
+    return impl
+
+
+def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy],
+           impl: str) -> Memory:
+    """Live for the whole step: the state, the batch, the compute-dtype weight stacks, what
+    the remat policy saves. On top of them, the larger of two phases: the loss (its
+    backward starts the backward pass) and one layer's backward."""
+    L, p, b = dm.layers, dm.p, dm.b
+    n_chunks, chunk_tokens = loss_chunks(recipe, dm.c)
+    tokens = b * dm.s_l                               # per device per micro-batch
+    mlp_tokens = b * mlp_chunk_len(recipe, dm.c)      # the MLP's [tokens, d_ff] at a time
+    saved_token, host_token = _saved_per_token(recipe, dm)
+    embedding_table_grad = (w.embedding * F32 * 2 * (dm.g - 1) / dm.g
+                            <= dm.step_tokens * dm.e * F32)
+    footprint = strategy.attention_footprint(dm)
+    terms: dict[str, float] = {
+        "state": 12 * w.local,
+        "batch": 5 * 4 * dm.rows * dm.s_l,
+        "weight_copies": CALIBRATION["weight_copies"] * p * w.layer_local * L if p < F32 else 0,
+        "activations": L * tokens * saved_token,
+        # loss phase: the output weights gathered (compute dtype) and their full f32
+        # gradient, one chunk's f32 logits (and softmax / gradient), the hidden states
+        # cut into chunks and their gradient
+        "loss_head": w.head * (F32 + CALIBRATION["head_weight_copies"] * p),
+        "loss_logits": (CALIBRATION["logits_copies"] * b * chunk_tokens * dm.v * F32
+                        + (2 * tokens * dm.e * p if n_chunks > 1 else 0)),
+        # layer phase: f32 gradients (sharded), one layer's weights gathered (and the next
+        # one's, prefetched) and its full gradient in the compute dtype, the layer's
+        # recomputed intermediates, the attention's working set
+        "gradients": CALIBRATION["gradient_copies"] * F32 * w.local,
+        # the embedding's full f32 gradient, where XLA all-reduces the table (see traffic)
+        "embedding_gradient": F32 * w.embedding if embedding_table_grad else 0.0,
+        "layer_weights": 3 * p * w.layer_gathered + 2 * F32 * w.mlp_gathered,
+        "layer_backward": (CALIBRATION["layer_backward"] * mlp_tokens * 5 * dm.f * p
+                           + CALIBRATION["layer_width_tensors"] * tokens * dm.e * p),
+        "attention": footprint.working_set * CALIBRATION[
+            "ring_attention_copies" if dm.r > 1 else "attention_copies"],
+        **_kernel_scratch(dm, footprint, impl, recipe),
+    }
+    if recipe.remat.policy == "save_all":
+        terms["activations"] += L * strategy.kernel_residuals(dm)
+    host = {"offloaded_activations": L * tokens * host_token} if host_token else {}
+    if getattr(getattr(recipe, "optimizer", None), "offload", False):
+        # optimizer.offload keeps AdamW's moments in pinned host memory between steps;
+        # the step copies them in at its start (XLA schedules it early), so the device
+        # still holds them at the peak.
+        host["optimizer_moments"] = 8 * w.local
+    peak_phase = max(PHASES, key=lambda ph: sum(terms.get(t, 0.0) for t in PHASES[ph]))
+    outside = {t for ph, names in PHASES.items() if ph != peak_phase for t in names}
+    return Memory(terms, host, peak_phase, tuple(t for t in terms if t not in outside))
+
+
+def _remat_tensors(dm: Dims) -> dict[str, float]:
+    """Bytes per token of each named tensor of one layer (trainer/model.py names)."""
+    p = dm.p
+    return {
+        "decoder_layer_input": dm.e * p,
+        "query_proj": dm.h * dm.d * p,
+        "key_proj": dm.kv * dm.d * p,
+        "value_proj": dm.kv * dm.d * p,
+        "context": dm.h * dm.d * p,
+        "out_proj": dm.e * p,
+        "mlpwi": 2 * dm.f * p,          # gate and up share the name
+        "mlpwo": dm.e * p,
+    }
+
+
+def _saved_per_token(recipe: Recipe, dm: Dims) -> tuple[float, float]:
+    """(device bytes, host bytes) saved per token per layer for backward."""
+    named = _remat_tensors(dm)
+    policy = recipe.remat.policy
+    if policy == "full":
+        return named["decoder_layer_input"], 0.0
+    if policy == "minimal":
+        return (named["decoder_layer_input"] + CALIBRATION["saved_copies"]
+                * sum(v for n, v in named.items() if n != "decoder_layer_input")), 0.0
+    if policy == "save_all":
+        # No remat: every intermediate the backward reads stays, including f32 norm and
+        # RoPE temporaries (the kernel's residuals: the strategy's kernel_residuals).
+        extra = (2 * dm.e * F32                      # the two RMSNorms' f32 inputs
+                 + (dm.h + dm.kv) * dm.d * dm.p      # q, k after RoPE
+                 + dm.h * F32                        # lse
+                 + 2 * dm.f * dm.p)                  # silu(gate), silu(gate) * up
+        return sum(named.values()) + extra, 0.0
+    device = CALIBRATION["saved_copies"] * sum(
+        named[n] for n, where in recipe.remat.tensors.items()
+        if where == "device" and n != "decoder_layer_input")
+    host = sum(named[n] for n, where in recipe.remat.tensors.items() if where == "offload")
+    # The scan carry (the layer input) is always kept unless it was offloaded.
+    if recipe.remat.tensors.get("decoder_layer_input") != "offload":
+        device += named["decoder_layer_input"]
+    return device, host
+
+
+def _kernel_scratch(dm: Dims, call: AttentionFootprint, impl: str,
+                    recipe: Recipe) -> dict[str, float]:
+    """The kernel's own memory for the strategy's kernel call: the xla kernel's block
+    scores or the Pallas kernels' layout copies (and splash's wide logsumexp)."""
+    b, d, p = dm.b, dm.d, dm.p
+    sq, skv, heads, kv = call.q_tokens, call.kv_tokens, call.heads, call.kv_heads
+    terms: dict[str, float] = {}
+    if impl in ("pallas", "splash"):
+        # The Pallas kernels (ours and splash) work head-major: q, k, v, out, dout are
+        # transposed in XLA ([b, h, s, d]) as the kernel sees them.
+        terms["kernel_scratch"] = CALIBRATION["pallas_layout_copies"] * b * d * p * (
+            3 * sq * heads + 2 * skv * kv)
+    if impl == "splash":
+        # splash writes its logsumexp 128 lanes wide ([heads, sq, 128] f32) before keeping
+        # lane 0 (1M tokens on 4 v5p chips, ring: +4.2 GB over our kernel, compiled)
+        terms["kernel_scratch"] += b * heads * sq * SPLASH_LSE_LANES * F32
+    if impl == "xla":
+        block_q, block_kv = min(recipe.attention.block_q, sq), min(recipe.attention.block_kv, skv)
+        terms["kernel_scratch"] = (CALIBRATION["kernel_block_scores"]
+                                   * b * heads * block_q * block_kv * F32)
+    return terms

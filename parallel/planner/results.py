@@ -1,0 +1,153 @@
+"""The planner's results: one strategy's plan and the plan of all of them, with their JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lctrain.parallel import STRATEGIES
+from lctrain.parallel.chips import Chip
+
+# Share of device HBM a plan may use; the rest is left for XLA's own reserve, fragmentation
+# and the estimate's error (the accuracy grid's worst case, see tests/test_planner.py).
+HBM_HEADROOM = 0.90
+
+
+@dataclasses.dataclass
+class StrategyPlan:
+    strategy: str
+    ulysses: int                                  # Ulysses degree where it takes one
+    memory: dict[str, float]                      # HBM bytes per device by term
+    peak_terms: tuple[str, ...]                   # the terms alive together at the peak
+    peak_phase: str                               # "loss" or "layers"
+    host: dict[str, float]                        # pinned host bytes per device by term
+    comm: dict[str, float]                        # bytes received per step per device, by kind
+    comm_detail: dict[str, float]                 # the same by source (zero3, strategy, ...)
+    compute_s: float                              # step compute at peak (with recompute)
+    comm_s: float                                 # step communication at link bandwidth
+    exposed_s: float                              # the part of comm_s on the critical path
+    model_flops: float                            # per device per step (no recompute)
+    peak_flops: float
+    ring_hidden: bool | None                      # with a ring: its sends hide behind work
+    hbm_capacity: float
+    host_capacity: float
+    compiled: dict | None = None                  # --compile: XLA's own figures
+
+    @property
+    def name(self) -> str:
+        if STRATEGIES[self.strategy].takes_ulysses_degree:
+            return f"{self.strategy}(u={self.ulysses})"
+        return self.strategy
+
+    @property
+    def hbm_bytes(self) -> float:
+        """Peak HBM per device: the terms of the whole step plus the larger phase."""
+        return sum(self.memory[t] for t in self.peak_terms)
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def comm_bytes(self) -> float:
+        return sum(self.comm.values())
+
+    @property
+    def step_s(self) -> float:
+        """Estimated step time: the compute, or the traffic that can overlap it (weights,
+        gradients, the ring's sends while they hide), whichever is longer, plus the
+        traffic the next operation waits for (K/V gathers, all-to-alls, exposed sends)."""
+        return max(self.compute_s, self.comm_s - self.exposed_s) + self.exposed_s
+
+    @property
+    def mfu_bound(self) -> float:
+        """Model flops over peak x estimated step time: no kernel is faster than peak and
+        no collective faster than the link bandwidth, so the real MFU is lower."""
+        return min(self.model_flops / (self.peak_flops * max(self.step_s, 1e-30)), 1.0)
+
+    @property
+    def fits(self) -> bool:
+        """The estimate fits in HBM_HEADROOM of the chip's HBM and in its host memory."""
+        return (self.hbm_bytes <= HBM_HEADROOM * self.hbm_capacity
+                and self.host_bytes <= self.host_capacity)
+
+    @property
+    def deciding_hbm_bytes(self) -> float:
+        """The peak the recommendation goes by: XLA's when compiled (--compile), else (or
+        where XLA refused the program) the estimate."""
+        compiled = (self.compiled or {}).get("hbm_bytes")
+        return self.hbm_bytes if compiled is None else compiled
+
+    @property
+    def deciding_fits(self) -> bool:
+        """Whether the recommendation counts this strategy as fitting: by XLA's figures in
+        the chip's whole HBM when compiled, else by the estimate within HBM_HEADROOM."""
+        if self.compiled is None:
+            return self.fits
+        return self.compiled_json()["compiled_fits"]
+
+    def as_json(self) -> dict:
+        out = {
+            "strategy": self.strategy, "ulysses": self.ulysses,
+            "hbm_bytes_per_device": int(self.hbm_bytes),
+            "host_bytes_per_device": int(self.host_bytes),
+            "comm_bytes_per_step": int(self.comm_bytes),
+            "comm_bytes_by_kind": {k: int(v) for k, v in self.comm.items()},
+            "comm_bytes_by_source": {k: int(v) for k, v in self.comm_detail.items()},
+            "memory_bytes_by_term": {k: int(v) for k, v in self.memory.items()},
+            "memory_peak_phase": self.peak_phase,
+            "memory_terms_at_peak": list(self.peak_terms),
+            "host_bytes_by_term": {k: int(v) for k, v in self.host.items()},
+            "compute_time_s": self.compute_s, "comm_time_s": self.comm_s,
+            "exposed_comm_time_s": self.exposed_s, "step_time_s": self.step_s,
+            "mfu_upper_bound": self.mfu_bound, "ring_comm_hidden": self.ring_hidden,
+            "fits": self.fits,
+        }
+        if self.compiled is not None:
+            out.update(self.compiled_json())
+        return out
+
+    def compiled_json(self) -> dict:
+        c = self.compiled
+        hbm, host = c.get("hbm_bytes"), c.get("host_bytes")
+        return {
+            "compiled_hbm_bytes_per_device": hbm,
+            "compiled_host_bytes_per_device": host,
+            "compiled_comm_bytes_by_kind": c.get("collective_bytes"),
+            "compiled_comm_bytes_per_step": (sum(c["collective_bytes"].values())
+                                             if c.get("collective_bytes") else None),
+            "hbm_gap_percent": gap_percent(self.hbm_bytes, hbm),
+            "comm_gap_percent": (gap_percent(self.comm_bytes,
+                                             sum(c["collective_bytes"].values()))
+                                 if c.get("collective_bytes") else None),
+            "compiled_fits": (hbm is not None and hbm <= self.hbm_capacity
+                              and (host or 0) <= self.host_capacity),
+            "compile_error": c.get("error"),
+        }
+
+
+def gap_percent(estimate: float, compiled: float | None) -> float | None:
+    """(estimate - compiled) / compiled in %, None without a compiled figure."""
+    if not compiled:
+        return None
+    return 100.0 * (estimate - compiled) / compiled
+
+
+@dataclasses.dataclass
+class Plan:
+    chip: Chip
+    axis_sizes: dict[str, int]
+    plans: list[StrategyPlan]
+    skipped: dict[str, str]                       # strategy -> why it cannot run here
+    choice: StrategyPlan | None
+    reason: str
+
+    def as_json(self) -> dict:
+        return {
+            "chip": self.chip.name, "hbm_bytes_per_device": self.chip.hbm_bytes,
+            "host_bytes_per_device": self.chip.host_bytes, "mesh": self.axis_sizes,
+            "strategies": [p.as_json() for p in self.plans],
+            "not_applicable": self.skipped,
+            "recommendation": None if self.choice is None else {
+                "strategy": self.choice.strategy, "ulysses": self.choice.ulysses,
+                "reason": self.reason},
+        }
