@@ -47,7 +47,8 @@ def out_of_memory_message(err: BaseException) -> str:
         figure = text.strip().splitlines()[0][:200]
     return (f"out of device memory: {figure}. `lctrain plan RECIPE --topology CHIP:SHAPE "
             f"--compile` gives each strategy's memory per device and `--max-seq` the longest "
-            f"sequence that fits; raise mesh.context, or use remat.policy=offload")
+            f"sequence that fits; raise mesh.context, or offload the layer inputs "
+            f"(remat.policy=custom, remat.tensors={{decoder_layer_input: offload}})")
 
 
 def _readable(amount: str) -> str:
