@@ -57,6 +57,10 @@ def plan(
     topology: str = typer.Option(
         ..., help="Chips and their shape, e.g. v5p:4x4x4 or tpu7x:2x2x1 (the mesh's -1 axis "
                   "fills the chip count)."),
+    slices: int = typer.Option(
+        1, "--slices", min=1, help="Slices of that topology joined over the data-center "
+                                   "network (multi-slice; mesh.dcn_data x mesh.dcn_fsdp must "
+                                   "equal it)."),
     set_: list[str] = SETS,
     compile_: bool = typer.Option(
         False, "--compile", help="Also compile every strategy for the topology (libtpu, no TPU "
@@ -81,11 +85,14 @@ def plan(
     except (RecipeError, ValueError) as err:
         fail(str(err))
     try:
-        count = chips.topology_device_count(topology)
+        count = chips.topology_device_count(topology) * slices
     except (ValueError, IndexError):
         fail(f"--topology '{topology}' must look like chip:AxBxC, e.g. v5p:4x4x4")
+    if slices > 1 and chip.dcn_bytes_per_s is None:
+        fail(f"--slices {slices}: no data-center network bandwidth is known for {chip.name} "
+             f"(parallel/chips.py); plan one slice, or a v5e, v5p, v6e or tpu7x topology")
     try:
-        sizes = check_against_devices(loaded, count)
+        sizes = check_against_devices(loaded, count, slices)
     except RecipeError as err:
         fail(str(err))
     platform = "gpu" if chip.name in ("h100", "h200") else "tpu"
@@ -102,7 +109,7 @@ def plan(
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         from lctrain.parallel import aot
         try:
-            devices = aot.topology_devices(topology)
+            devices = aot.topology_devices(topology, slices)
         except (RuntimeError, ValueError) as err:
             fail(str(err))
         planner.attach_compiled(result, loaded, devices, timed=compile_timer)
@@ -117,8 +124,10 @@ def plan(
     from .plan_render import render, render_max_seq
 
     wide = wide_console()
+    where = topology + (f" x {slices} slices, dcn {loaded.mesh.dcn_sizes()}"
+                        if slices > 1 else "")
     render(result, wide, title=f"{loaded.model.name}, seq {loaded.data.seq_len:,}, "
-                                f"batch {loaded.data.batch_size}, {topology}, "
+                                f"batch {loaded.data.batch_size}, {where}, "
                                 f"mesh {sizes}, remat {loaded.remat.policy}")
     if max_seq:
         render_max_seq(longest, wide)

@@ -21,11 +21,17 @@ def render(result: Plan, console, title: str = "") -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from lctrain.parallel.planner.traffic import dcn_bytes
+
     compiled = any(p.compiled is not None for p in result.plans)
+    # Multi-slice: the part of the traffic that crosses slices (data-center network).
+    dcn = {p.name: dcn_bytes(p.comm_detail) for p in result.plans}
+    across_slices = any(dcn.values())
     # Escaped: a model folder (hf:<dir>) may hold square brackets, rich's markup.
     table = Table(title=escape(title) or None, title_justify="left")
     for name, justify in (("strategy", "left"), ("HBM\nGiB/device", "right"),
                           ("host\nGiB/device", "right"), ("comm\nGiB/step", "right"),
+                          *([("of it DCN\nGiB/step", "right")] if across_slices else []),
                           ("comm time /\ncompute time", "right"), ("MFU\nbound", "right"),
                           ("ring\nhidden", "center"), ("fits", "center")):
         table.add_column(name, justify=justify, no_wrap=True)
@@ -34,6 +40,7 @@ def render(result: Plan, console, title: str = "") -> None:
             table.add_column(name, justify="right", no_wrap=True)
     for p in result.plans:
         row = [p.name, _gib(p.hbm_bytes), _gib(p.host_bytes), _gib(p.comm_bytes),
+               *([_gib(dcn[p.name])] if across_slices else []),
                f"{_seconds(p.comm_s)} / {_seconds(p.compute_s)}", f"{p.mfu_bound:.0%}",
                {None: "-", True: "yes", False: "no"}[p.ring_hidden],
                "[green]yes[/]" if p.fits else "[red]no[/]"]

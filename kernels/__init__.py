@@ -4,10 +4,12 @@
 implementation is a `Kernel`: a differentiable forward with the signature
 
     forward(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-            *, causal, block_q, block_kv) -> (out, lse)
+            *, causal, block_q, block_kv, platform, layout) -> (out, lse)
 
 and the backward of one kv block given the rows' final out and lse (for ring attention),
-so adding a backend is one entry in `_IMPLS`. impl="auto"
+so adding a backend is one entry in `_IMPLS`. Each computes in its own layout of q, k,
+v (kernels/layout.py) and takes either; `native_layout` tells a caller that calls a
+kernel many times which one to keep its tensors in. impl="auto"
 (a recipe option) picks the best registered backend for the platform.
 """
 
@@ -17,28 +19,34 @@ import jax
 import jax.numpy as jnp
 
 from . import pallas, splash, xla
+from .layout import HEADS_MAJOR, LAYOUTS, TOKENS_MAJOR, tokens_major_shape
 from .masks import attention_mask
+
 
 class Kernel(NamedTuple):
     """A backend: the differentiable attention, and the backward of one kv block given the
     final out/lse of its rows (what ring attention's custom backward needs).
+    `layout`: the one it computes in (the other costs a relayout of q, k, v, out per call).
     `takes_runs`: it classifies whole blocks and takes `run_tokens` (the length of the
     contiguous runs of positions) to keep every block inside one run."""
     forward: Callable
     block_backward: Callable
+    layout: str
     takes_runs: bool = False
 
 
 _IMPLS = {
-    "xla": Kernel(xla.flash_attention, xla.flash_attention_backward),
-    "pallas": Kernel(pallas.flash_attention, pallas.flash_attention_backward),
-    "splash": Kernel(splash.flash_attention, splash.flash_attention_backward, takes_runs=True),
+    "xla": Kernel(xla.flash_attention, xla.flash_attention_backward, TOKENS_MAJOR),
+    "pallas": Kernel(pallas.flash_attention, pallas.flash_attention_backward, HEADS_MAJOR),
+    "splash": Kernel(splash.flash_attention, splash.flash_attention_backward, HEADS_MAJOR,
+                     takes_runs=True),
 }
 
 IMPLS = tuple(_IMPLS)
 
 # impl="auto", as the recipe schema documents it: splash on TPU where the layout allows,
-# else our Pallas kernel; xla elsewhere (on GPU the Pallas kernel itself falls back to xla).
+# else our Pallas kernel; xla elsewhere. The Pallas kernels are TPU kernels: on GPU an
+# explicit pallas or splash runs xla (impl_for_call).
 _AUTO_PREFERENCE = {"tpu": ("splash", "pallas")}
 
 
@@ -58,12 +66,13 @@ def resolve_impl(impl: str, platform: str | None = None, chunk_tokens: int | Non
 
 def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
               causal=True, impl="xla", block_q=512, block_kv=512, return_lse=False,
-              platform=None, run_tokens=None):
+              platform=None, run_tokens=None, layout=TOKENS_MAJOR):
     """Masked multi-head (GQA) attention with softmax scale 1/sqrt(d).
 
     Args:
       q: [b, sq, hq, d]; k, v: [b, skv, hkv, d], hq % hkv == 0 (query head i
         uses kv head i // (hq // hkv)). Any float dtype; accumulation is f32.
+        With layout=HEADS_MAJOR ("bhsd") they are [b, h, s, d] instead, and so is out.
       q_positions, kv_positions: int [b, sq] / [b, skv] TRUE token positions
         (the arrays may be reordered or be chunks of a longer sequence).
       q_segment_ids, kv_segment_ids: int [b, sq] / [b, skv] document ids.
@@ -79,15 +88,15 @@ def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_i
         that classify whole blocks (splash) use it.
 
     Returns:
-      out [b, sq, hq, d] in q.dtype, or (out, lse [b, hq, sq] f32) with
+      out [b, sq, hq, d] (in `layout`) in q.dtype, or (out, lse [b, hq, sq] f32) with
       return_lse. Rows with no allowed key get out = 0 and lse = -inf.
       Differentiable w.r.t. q, k, v and through lse.
     """
-    kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens)
-    _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, layout)
+    kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout)
     out, lse = kernel.forward(q, k, v, q_positions, kv_positions, q_segment_ids,
                               kv_segment_ids, causal=causal, block_q=block_q,
-                              block_kv=block_kv, platform=platform,
+                              block_kv=block_kv, platform=platform, layout=layout,
                               **_runs(kernel, run_tokens))
     return (out, lse) if return_lse else out
 
@@ -95,30 +104,43 @@ def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_i
 def impl_for_call(impl: str, platform: str | None, sq: int, skv: int, block_q: int,
                   block_kv: int, run_tokens: int | None) -> str:
     """The backend name one call of sq queries x skv keys runs: "auto" takes splash only
-    where its tiles fit these lengths, else our Pallas kernel."""
+    where its tiles fit these lengths, else our Pallas kernel; on GPU always xla."""
     name = resolve_impl(impl, platform, run_tokens)
+    if (platform or jax.default_backend()) == "gpu":
+        return "xla"
     if impl == "auto" and name == "splash" and not splash.supports(sq, skv, block_q, block_kv,
                                                                    run_tokens):
         return "pallas"
     return name
 
 
-def _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens):
-    return _IMPLS[impl_for_call(impl, platform, q.shape[1], k.shape[1], block_q, block_kv,
-                                run_tokens)]
+def native_layout(sq: int, skv: int, *, impl: str = "xla", block_q: int = 512,
+                  block_kv: int = 512, platform: str | None = None,
+                  run_tokens: int | None = None) -> str:
+    """The layout the kernel that runs calls of sq queries x skv keys computes in, for
+    callers that call it many times: kept in it, their tensors cross no relayout per call."""
+    return _IMPLS[impl_for_call(impl, platform, sq, skv, block_q, block_kv, run_tokens)].layout
+
+
+def _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout):
+    sq, skv = (tokens_major_shape(x.shape, layout)[1] for x in (q, k))
+    return _IMPLS[impl_for_call(impl, platform, sq, skv, block_q, block_kv, run_tokens)]
 
 
 def _runs(kernel, run_tokens):
     return {"run_tokens": run_tokens} if kernel.takes_runs else {}
 
 
-def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                  layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; allowed: {LAYOUTS}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be [b, s, h, d]; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(f"q, k, v must be 4-d ({layout}); got {q.shape}, {k.shape}, {v.shape}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
-    b, sq, hq, d = q.shape
-    _, skv, hkv, dk = k.shape
+    b, sq, hq, d = tokens_major_shape(q.shape, layout)
+    _, skv, hkv, dk = tokens_major_shape(k.shape, layout)
     if k.shape[0] != b or dk != d:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head dim")
     if hq % hkv:
@@ -138,15 +160,17 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
 
 def attention_block_backward(q, k, v, out, lse, dout, *, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, causal=True, impl="xla",
-                             block_q=512, block_kv=512, platform=None, run_tokens=None):
+                             block_q=512, block_kv=512, platform=None, run_tokens=None,
+                             layout=TOKENS_MAJOR):
     """(dq, dk, dv) of attention between q and one kv block, where `out` [b, sq, hq, d] and
-    `lse` [b, hq, sq] are the rows' results over ALL kv blocks (merged by the caller)."""
-    kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens)
+    `lse` [b, hq, sq] are the rows' results over ALL kv blocks (merged by the caller).
+    q, k, v, out, dout and the results are in `layout`."""
+    kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout)
     return kernel.block_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
                                  q_segment_ids, kv_segment_ids, causal=causal,
                                  block_q=block_q, block_kv=block_kv, platform=platform,
-                                 **_runs(kernel, run_tokens))
+                                 layout=layout, **_runs(kernel, run_tokens))
 
 
-__all__ = ["IMPLS", "attention", "attention_block_backward", "attention_mask", "impl_for_call",
-           "resolve_impl"]
+__all__ = ["HEADS_MAJOR", "IMPLS", "TOKENS_MAJOR", "attention", "attention_block_backward",
+           "attention_mask", "impl_for_call", "native_layout", "resolve_impl"]

@@ -2,9 +2,11 @@
 
 Same interface and math as `xla.py` (read that first); only the execution differs.
 
-Layout. The kernels work head-major: q, k, v, out are transposed (in XLA) to
-[b, h, s, d], so one block is a [block, d] tile whose last two dims satisfy the TPU
-tiling rule (block a multiple of 128 or the whole length; d the whole head dim).
+Layout. The kernels work head-major, [b, h, s, d] (kernels/layout.py), so one block is
+a [block, d] tile whose last two dims satisfy the TPU tiling rule (block a multiple of
+128 or the whole length; d the whole head dim). A call in the model's [b, s, h, d]
+swaps axes inside the custom VJP; ring attention calls in head-major and pays no
+relayout per step.
 Per-token integers and per-row statistics travel as ROWS, [b, 1, s] and [b, h, 1, s]
 (reshapes of [b, s] and [b, h, s]): a block is a [1, block] lane vector, so nothing
 is padded to 128 lanes in HBM and memory stays linear in s. A kernel that
@@ -41,8 +43,8 @@ axes (so autodiff psums the gradient of a replicated input). Pallas interpret mo
 itself fails under check_vma=True (a JAX limitation); Mosaic compiles either way.
 
 GPU: not a Pallas path here (the kernels use TPU-only pieces: scalar prefetch, VMEM
-scratch, sequential grid axes carrying accumulators); on GPU these functions run
-`xla.py`'s kernel.
+scratch, sequential grid axes carrying accumulators); on GPU `kernels.impl_for_call`
+runs `xla.py`'s kernel instead.
 """
 
 import functools
@@ -56,6 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import xla
+from .layout import HEADS_MAJOR, TOKENS_MAJOR, convert, seq_len
 from .pallas_kernels import N_PREFETCH, backward_kernel, forward_kernel
 from .pallas_schedule import KeyMajor, Prefetch, QueryMajor, prefetch_arrays
 from .residuals import named_results
@@ -106,11 +109,6 @@ def _result(shape, dtype, like):
 
 
 # --------------------------------------------------------- layout (XLA) ----
-
-def _heads_major(x):
-    """[b, s, h, d] -> [b, h, s, d]: a kernel block is then a [block, d] tile."""
-    return jnp.swapaxes(x, 1, 2)
-
 
 def _token_rows(x):
     """int [b, s] -> int32 [b, 1, s]: per-token ids as lane rows."""
@@ -197,8 +195,9 @@ class _Problem(NamedTuple):
 
 
 def _problem(q, k, block_q, block_kv):
-    b, sq, hq, d = q.shape
-    return _Problem(b, hq, k.shape[2], sq, k.shape[1], d, block_q, block_kv)
+    """From head-major q and k."""
+    b, hq, sq, d = q.shape
+    return _Problem(b, hq, k.shape[1], sq, k.shape[2], d, block_q, block_kv)
 
 
 def _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal):
@@ -214,7 +213,8 @@ def _grid_spec(grid, in_specs, out_specs, scratch_shapes):
 
 
 def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv,
-                    interpret):
+                    interpret, layout):
+    q, k, v = (convert(x, layout, HEADS_MAJOR) for x in (q, k, v))
     pb = _problem(q, k, block_q, block_kv)
     grid, locator, specs = pb.query_major()
     prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal)
@@ -231,22 +231,23 @@ def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, bloc
                    _result((pb.b, pb.hq, 1, pb.sq), _F32, q)],
         compiler_params=_compiler_params(3, 1),
         interpret=interpret, name="lctrain_flash_forward",
-    )(*prefetch, _heads_major(q), _heads_major(k), _heads_major(v), *rows)
-    return _heads_major(out), lse[:, :, 0, :]
+    )(*prefetch, q, k, v, *rows)
+    return convert(out, HEADS_MAJOR, layout), lse[:, :, 0, :]
 
 
 def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, causal,
-                     block_q, block_kv, interpret):
+                     block_q, block_kv, interpret, layout):
+    q, k, v, out, dout = (convert(x, layout, HEADS_MAJOR) for x in (q, k, v, out, dout))
     pb = _problem(q, k, block_q, block_kv)
     prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal)
     # delta_i = sum_d do_i o_i (the softmax-Jacobian term) minus the lse cotangent:
     # ds = p * (dp - delta + dlse) = p * (dp - (delta - dlse)), one row for both.
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(_F32), out.astype(_F32))
+    delta = jnp.einsum("bhqd,bhqd->bhq", dout.astype(_F32), out.astype(_F32))
     delta = _stat_rows(delta - dlse.astype(_F32))
     # Empty rows keep lse = -inf: they only occur in masked block pairs, where
     # exp(s - lse) = inf is replaced by 0 before it is used.
     lse = _stat_rows(lse)
-    operands = (*prefetch, *(_heads_major(x) for x in (q, k, v, dout)), lse, delta, *rows)
+    operands = (*prefetch, q, k, v, dout, lse, delta, *rows)
 
     grid, locator, specs = pb.key_major()
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -272,29 +273,32 @@ def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg
         interpret=interpret, name="lctrain_flash_backward",
     )(*operands, *_vary_alike(jnp.zeros(dq_shape, _F32), q)[:1])
     dq = (pb.scale * dq).astype(q.dtype)
-    return _heads_major(dq), _heads_major(dk), _heads_major(dv)
+    return tuple(convert(x, HEADS_MAJOR, layout) for x in (dq, dk, dv))
 
 
 # ------------------------------------------------------------- custom vjp ----
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _flash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _flash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv, interpret,
+           layout):
     return _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q,
-                           block_kv, interpret)
+                           block_kv, interpret, layout)
 
 
-def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv, interpret):
+def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv, interpret,
+               layout):
     out, lse = named_results(*_pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal,
-                                              block_q, block_kv, interpret))
-    # O(s) residuals only; the backward kernels recompute scores block by block.
+                                              block_q, block_kv, interpret, layout))
+    # O(s) residuals only, in the caller's layout (the same buffers as the caller's, not
+    # relayouted copies); the backward kernel recomputes scores block by block.
     return (out, lse), (q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _flash_bwd(causal, block_q, block_kv, interpret, residuals, cotangents):
+def _flash_bwd(causal, block_q, block_kv, interpret, layout, residuals, cotangents):
     q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg = residuals
     dout, dlse = cotangents
     dq, dk, dv = _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg,
-                                  kv_seg, causal, block_q, block_kv, interpret)
+                                  kv_seg, causal, block_q, block_kv, interpret, layout)
     return dq, dk, dv, None, None, None, None  # integer inputs: no cotangent
 
 
@@ -303,45 +307,35 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ------------------------------------------------------------- public api ----
 
-def _target(platform):
-    """The platform the program is compiled for; the default backend unless told (an
-    ahead-of-time compile for a TPU topology runs on a CPU host)."""
-    return platform or jax.default_backend()
+def _blocks(q, k, block_q, block_kv, interpret, layout):
+    return (block_size(seq_len(q, layout), block_q, interpret),
+            block_size(seq_len(k, layout), block_kv, interpret))
 
 
 def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                    *, causal=True, block_q=512, block_kv=512, platform=None):
-    """Pallas flash attention; returns (out [b, sq, hq, d] in q.dtype, lse [b, hq, sq] f32).
+                    *, causal=True, block_q=512, block_kv=512, platform=None,
+                    layout=TOKENS_MAJOR):
+    """Pallas flash attention; returns (out in q's layout and dtype, lse [b, hq, sq] f32).
 
     Differentiable w.r.t. q, k, v, also through lse. `platform` (default: jax's backend)
-    picks Mosaic for "tpu", interpret mode for "cpu", and xla.py's kernel for "gpu".
+    picks Mosaic for "tpu", interpret mode for "cpu". `layout`: kernels/layout.py.
     Shapes are assumed validated by `lctrain.kernels.attention`.
     """
-    if _target(platform) == "gpu":
-        return xla.flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids,
-                                   kv_segment_ids, causal=causal, block_q=block_q,
-                                   block_kv=block_kv)
-    interpret = _target(platform) == "cpu"
-    block_q = block_size(q.shape[1], block_q, interpret)
-    block_kv = block_size(k.shape[1], block_kv, interpret)
+    interpret = (platform or jax.default_backend()) == "cpu"
     operands = _vary_alike(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    return _flash(*operands, bool(causal), block_q, block_kv, interpret)
+    return _flash(*operands, bool(causal), *_blocks(q, k, block_q, block_kv, interpret, layout),
+                  interpret, layout)
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
-                             block_kv=512, platform=None):
+                             block_kv=512, platform=None, layout=TOKENS_MAJOR):
     """(dq, dk, dv) of attention between q and one kv block, given the rows' FINAL out
     and lse (merged over all kv blocks by the caller, as ring attention does): then
     exp(s - lse) is this block's share of the global softmax."""
-    if _target(platform) == "gpu":
-        return xla.flash_attention_backward(
-            q, k, v, out, lse, dout, q_positions, kv_positions, q_segment_ids,
-            kv_segment_ids, causal=causal, block_q=block_q, block_kv=block_kv)
-    interpret = _target(platform) == "cpu"
-    block_q = block_size(q.shape[1], block_q, interpret)
-    block_kv = block_size(k.shape[1], block_kv, interpret)
+    interpret = (platform or jax.default_backend()) == "cpu"
+    blocks = _blocks(q, k, block_q, block_kv, interpret, layout)
     q, k, v, out, lse, dout, *ids = _vary_alike(q, k, v, out, lse, dout, q_positions,
                                                 kv_positions, q_segment_ids, kv_segment_ids)
     return _pallas_backward(q, k, v, out, lse, dout, jnp.zeros_like(lse), *ids,
-                            bool(causal), block_q, block_kv, interpret)
+                            bool(causal), *blocks, interpret, layout)

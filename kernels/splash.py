@@ -33,8 +33,9 @@ calls `flash_attention_backward` with the merged out/lse of all its steps.
 
 Pinned to splash's private functions (`_splash_attention_forward`, `..._bwd_dq`,
 `..._bwd_dkv`, `MaskInfo`): tests/test_splash.py checks them against the dense reference
-on every jax we support. TPU only: on CPU the kernels run in Pallas interpret mode (tests),
-on GPU this falls back to xla.py.
+on every jax we support. TPU only: on CPU the kernels run in Pallas interpret mode (tests);
+on GPU `kernels.impl_for_call` runs xla.py instead. Splash works head-major
+([b, h, s, d], kernels/layout.py); a call in [b, s, h, d] swaps axes inside the custom VJP.
 """
 
 import functools
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
-from . import xla
+from .layout import HEADS_MAJOR, TOKENS_MAJOR, convert, seq_len
 from .residuals import named_results
 
 _LANES = splash.NUM_LANES  # splash tiles the sequence in multiples of 128, even interpreted
@@ -227,11 +228,7 @@ def _row_backward(q, k, v, out, lse, dout, delta, q_pos, kv_pos, q_seg, kv_seg, 
     return dq, dk, dv
 
 
-# ------------------------------------------------------- batch, [b, s, h, d] ----
-
-def _heads_major(x):
-    return jnp.swapaxes(x, 1, 2)
-
+# ------------------------------------------------------------------ batch ----
 
 def _per_row(fn, *batched):
     """fn over the rows of a batch, one kernel launch per row: every row has its own
@@ -251,38 +248,40 @@ def _backward_lse(lse):
     return jnp.where(jnp.isneginf(lse), jnp.inf, lse)
 
 
-def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret):
+def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret, layout):
     row = functools.partial(_row_forward, blocks=blocks, causal=causal, interpret=interpret)
-    out, lse = _per_row(row, _heads_major(q), _heads_major(k), _heads_major(v),
+    out, lse = _per_row(row, *(convert(x, layout, HEADS_MAJOR) for x in (q, k, v)),
                         q_pos, kv_pos, q_seg, kv_seg)
     out, lse = _without_empty_rows(out, lse)
-    return _heads_major(out), lse
+    return convert(out, HEADS_MAJOR, layout), lse
 
 
 def _backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, causal, blocks,
-              interpret):
+              interpret, layout):
+    q, k, v, out, dout = (convert(x, layout, HEADS_MAJOR) for x in (q, k, v, out, dout))
     # d lse / d score = probability, so the lse cotangent enters exactly like -delta.
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(_F32), dout.astype(_F32)) - dlse
+    delta = jnp.einsum("bhsd,bhsd->bhs", out.astype(_F32), dout.astype(_F32)) - dlse
     row = functools.partial(_row_backward, blocks=blocks, causal=causal, interpret=interpret)
-    grads = _per_row(row, *map(_heads_major, (q, k, v, out)), _backward_lse(lse),
-                     _heads_major(dout), delta, q_pos, kv_pos, q_seg, kv_seg)
-    return tuple(_heads_major(g) for g in grads)
+    grads = _per_row(row, q, k, v, out, _backward_lse(lse), dout, delta, q_pos, kv_pos,
+                     q_seg, kv_seg)
+    return tuple(convert(g, HEADS_MAJOR, layout) for g in grads)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _splash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret):
-    return _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _splash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret, layout):
+    return _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret, layout)
 
 
-def _splash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret):
+def _splash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret, layout):
     out, lse = named_results(*_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks,
-                                       interpret))
+                                       interpret, layout))
     return (out, lse), (q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _splash_bwd(causal, blocks, interpret, residuals, cotangents):
+def _splash_bwd(causal, blocks, interpret, layout, residuals, cotangents):
     q, k, v, out, lse, *ids = residuals
-    dq, dk, dv = _backward(q, k, v, out, lse, *cotangents, *ids, causal, blocks, interpret)
+    dq, dk, dv = _backward(q, k, v, out, lse, *cotangents, *ids, causal, blocks, interpret,
+                           layout)
     return dq, dk, dv, None, None, None, None
 
 
@@ -291,42 +290,38 @@ _splash.defvjp(_splash_fwd, _splash_bwd)
 
 # ------------------------------------------------------------- public api ----
 
-def _target(platform):
-    return platform or jax.default_backend()
+def _interpret(platform):
+    return (platform or jax.default_backend()) == "cpu"
 
 
-def _prepare(q, k, ids, block_q, block_kv, run_tokens):
+def _prepare(q, k, ids, block_q, block_kv, run_tokens, layout):
     """(tiles, query scale, int32 ids). Splash expects queries already scaled by
     1/sqrt(d)."""
-    blocks = block_sizes(q.shape[1], k.shape[1], block_q, block_kv, run_tokens)
+    blocks = block_sizes(seq_len(q, layout), seq_len(k, layout), block_q, block_kv,
+                         run_tokens)
     scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
     return blocks, scale, tuple(x.astype(jnp.int32) for x in ids)
 
 
 def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                     *, causal=True, block_q=512, block_kv=512, platform=None,
-                    run_tokens=None):
-    """Splash attention; (out [b, sq, hq, d] in q.dtype, lse [b, hq, sq] f32), as
+                    run_tokens=None, layout=TOKENS_MAJOR):
+    """Splash attention; (out in q's layout and dtype, lse [b, hq, sq] f32), as
     `lctrain.kernels.attention` documents, for the layouts described above; q and kv
     are made of contiguous runs of `run_tokens` positions (None: one run each)."""
     ids = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    if _target(platform) == "gpu":
-        return xla.flash_attention(q, k, v, *ids, causal=causal, block_q=block_q,
-                                   block_kv=block_kv)
-    blocks, scale, ids = _prepare(q, k, ids, block_q, block_kv, run_tokens)
-    return _splash(q * scale, k, v, *ids, bool(causal), blocks, _target(platform) == "cpu")
+    blocks, scale, ids = _prepare(q, k, ids, block_q, block_kv, run_tokens, layout)
+    return _splash(q * scale, k, v, *ids, bool(causal), blocks, _interpret(platform), layout)
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
-                             block_kv=512, platform=None, run_tokens=None):
+                             block_kv=512, platform=None, run_tokens=None,
+                             layout=TOKENS_MAJOR):
     """(dq, dk, dv) of attention between q and one kv block, given the rows' FINAL out
     and lse (merged over all kv blocks by the caller, as ring attention does)."""
     ids = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    if _target(platform) == "gpu":
-        return xla.flash_attention_backward(q, k, v, out, lse, dout, *ids, causal=causal,
-                                            block_q=block_q, block_kv=block_kv)
-    blocks, scale, ids = _prepare(q, k, ids, block_q, block_kv, run_tokens)
+    blocks, scale, ids = _prepare(q, k, ids, block_q, block_kv, run_tokens, layout)
     dq, dk, dv = _backward(q * scale, k, v, out, lse, dout, jnp.zeros_like(lse), *ids,
-                           bool(causal), blocks, _target(platform) == "cpu")
+                           bool(causal), blocks, _interpret(platform), layout)
     return (dq * scale).astype(q.dtype), dk, dv

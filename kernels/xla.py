@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .layout import TOKENS_MAJOR, convert
 from .masks import attention_mask
 from .residuals import named_results
 
@@ -267,31 +268,35 @@ _flash.defvjp(_flash_fwd, _backward)
 
 
 def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                    *, causal=True, block_q=512, block_kv=512, platform=None):
-    """Blockwise attention; returns (out [b, sq, hq, d] in q.dtype, lse [b, hq, sq] f32).
+                    *, causal=True, block_q=512, block_kv=512, platform=None,
+                    layout=TOKENS_MAJOR):
+    """Blockwise attention; returns (out in q's layout and dtype, lse [b, hq, sq] f32).
 
     Block sizes are rounded down to divisors of sq / skv. Shapes are assumed
     validated by `lctrain.kernels.attention`. `platform` is unused: plain XLA runs on
-    every platform (it is part of every kernel's signature).
+    every platform (it is part of every kernel's signature). This kernel computes in
+    [b, s, h, d]; another `layout` is swapped on the way in and out.
     """
+    q, k, v = (convert(x, layout, TOKENS_MAJOR) for x in (q, k, v))
     block_q = largest_divisor_at_most(q.shape[1], block_q)
     block_kv = largest_divisor_at_most(k.shape[1], block_kv)
-    return _flash(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                  bool(causal), block_q, block_kv)
+    out, lse = _flash(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                      bool(causal), block_q, block_kv)
+    return convert(out, TOKENS_MAJOR, layout), lse
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
-                             block_kv=512, platform=None):
+                             block_kv=512, platform=None, layout=TOKENS_MAJOR):
     """dq, dk, dv of one (q, kv) block pair given the FINAL out and lse of the rows.
 
     A ring step calls this with the out and lse merged over all kv blocks: then
     p = exp(s - lse) is this block's share of the global softmax, and the result is
     exactly this block's contribution to the gradients.
     """
+    q, k, v, out, dout = (convert(x, layout, TOKENS_MAJOR) for x in (q, k, v, out, dout))
     block_q = largest_divisor_at_most(q.shape[1], block_q)
     block_kv = largest_divisor_at_most(k.shape[1], block_kv)
     residuals = (q, k, v, out, lse, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    dq, dk, dv, *_ = _backward(bool(causal), block_q, block_kv, residuals,
-                               (dout, jnp.zeros_like(lse)))
-    return dq, dk, dv
+    grads = _backward(bool(causal), block_q, block_kv, residuals, (dout, jnp.zeros_like(lse)))
+    return tuple(convert(g, TOKENS_MAJOR, layout) for g in grads[:3])

@@ -9,6 +9,14 @@ bandwidth (the same pages: v4 1228, v5e 819, v5p 2765, v6e 1640, Ironwood 7380 G
 unit); `links` is how many such links a chip drives at once in a torus (or NVLink ports to
 the switch, counted as one aggregate link for GPUs). A TPU7x (Ironwood) chip holds two
 TensorCores that JAX shows as two devices, each with half the chip.
+
+`dcn_bytes_per_s` is a chip's share of its host's data-center network (DCN), the only
+path between slices; Google Cloud's TPU pages give it per chip: v5p 50 Gb/s
+(https://cloud.google.com/tpu/docs/v5p, "Data center network (DCN) bandwidth per chip"),
+v6e and TPU7x 100 Gb/s (https://cloud.google.com/tpu/docs/tpu7x, the table comparing v5p,
+v6e and TPU7x), v5e 2 x 100 Gb/s NICs per 8-chip host = 25 Gb/s
+(https://cloud.google.com/tpu/docs/v5e, "Per-host NIC configuration"). None where no
+figure is published here (v4; GPUs have no slices): multi-slice plans refuse those.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 
 GB = 10**9
+GBIT = 10**9 / 8   # bytes per second in one Gb/s
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,7 @@ class Chip:
     device_kinds: tuple[str, ...]  # substrings of jax's device_kind naming this chip
     hbm_bytes_per_s: float = 0.0   # HBM bandwidth (the planner's memory-bound work)
     devices_per_chip: int = 1      # JAX devices one chip appears as
+    dcn_bytes_per_s: float | None = None  # the chip's share of the host's DCN bandwidth
 
     def per_device(self) -> Chip:
         """The share of one JAX device: the chip itself unless it shows as several."""
@@ -37,15 +47,20 @@ class Chip:
         return dataclasses.replace(
             self, hbm_bytes=self.hbm_bytes / n, peak_bf16_flops=self.peak_bf16_flops / n,
             link_bytes_per_s=self.link_bytes_per_s / n, host_bytes=self.host_bytes / n,
-            hbm_bytes_per_s=self.hbm_bytes_per_s / n, devices_per_chip=1)
+            hbm_bytes_per_s=self.hbm_bytes_per_s / n, devices_per_chip=1,
+            dcn_bytes_per_s=self.dcn_bytes_per_s and self.dcn_bytes_per_s / n)
 
 
 CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
     Chip("v4", 32 * GB, 275e12, 45e9, 6, 100 * GB, ("TPU v4",), 1228 * GB),
-    Chip("v5e", 16 * GB, 197e12, 45e9, 4, 48 * GB, ("TPU v5 lite", "TPU v5e"), 819 * GB),
-    Chip("v5p", 95.74 * GB, 459e12, 90e9, 6, 112 * GB, ("TPU v5p", "TPU v5"), 2765 * GB),
-    Chip("v6e", 32 * GB, 918e12, 90e9, 4, 180 * GB, ("TPU v6 lite", "TPU v6e"), 1640 * GB),
-    Chip("tpu7x", 192 * GB, 2307e12, 150e9, 6, 180 * GB, ("TPU7x", "TPU 7x"), 7380 * GB, 2),
+    Chip("v5e", 16 * GB, 197e12, 45e9, 4, 48 * GB, ("TPU v5 lite", "TPU v5e"), 819 * GB,
+         dcn_bytes_per_s=25 * GBIT),
+    Chip("v5p", 95.74 * GB, 459e12, 90e9, 6, 112 * GB, ("TPU v5p", "TPU v5"), 2765 * GB,
+         dcn_bytes_per_s=50 * GBIT),
+    Chip("v6e", 32 * GB, 918e12, 90e9, 4, 180 * GB, ("TPU v6 lite", "TPU v6e"), 1640 * GB,
+         dcn_bytes_per_s=100 * GBIT),
+    Chip("tpu7x", 192 * GB, 2307e12, 150e9, 6, 180 * GB, ("TPU7x", "TPU 7x"), 7380 * GB, 2,
+         dcn_bytes_per_s=100 * GBIT),
     Chip("h100", 80 * GB, 989e12, 450e9, 1, 250 * GB, ("H100",), 3350 * GB),
     Chip("h200", 141 * GB, 989e12, 450e9, 1, 250 * GB, ("H200",), 4800 * GB),
 )}

@@ -14,6 +14,10 @@ where chip j adds its own share (c-1 sends, as for K/V). A step adds the sum tha
 during its kernel to the block's fresh dK/dV only after the kernel, so that transfer
 overlaps the kernel too. Steps with nothing to attend (a chunk entirely in the causal
 future) are skipped.
+
+Layout: q, k, v, out and the gradients travel and accumulate in the kernel's own layout
+(head-major for the Pallas kernels, kernels/layout.py), converted once per layer on the
+way in and out, so no ring step relayouts what it sends or attends.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from lctrain import kernels
+from lctrain.kernels.layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, tokens_major_shape
 from lctrain.kernels.residuals import named_results
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import AttentionFootprint, Dims, RingTiming, Traffic
@@ -75,13 +80,15 @@ class Ring(ContextStrategy):
                               tuple(sorted(self.kernel_options.items())))
 
 
-def ring_attention(q, k, v, positions, segment_ids, axis_name, kernel_options):
+def ring_attention(q, k, v, positions, segment_ids, axis_name, kernel_options,
+                   layout=TOKENS_MAJOR):
     """Causal attention of the local queries to the whole sequence spread over `axis_name`.
 
     `kernel_options` is a sorted tuple of (name, value) for `lctrain.kernels` (hashable,
-    because it is a static argument of the custom VJP).
+    because it is a static argument of the custom VJP). q, k, v and the result are in
+    `layout` (kernels/layout.py).
     """
-    return _ring(q, k, v, positions, segment_ids, axis_name, kernel_options)
+    return _ring(q, k, v, positions, segment_ids, axis_name, kernel_options, layout)
 
 
 def _send_to_next(x, axis_name):
@@ -98,13 +105,19 @@ def _may_attend(q_positions, kv_positions):
     return jnp.max(q_positions) >= jnp.min(kv_positions)
 
 
-def _merge(out, lse, block_out, block_lse):
+def kernel_layout(chunk_tokens: int, options: dict) -> str:
+    """The layout a ring keeps q, k, v in: its kernel's, for one chunk against another."""
+    return kernels.native_layout(chunk_tokens, chunk_tokens, **options)
+
+
+def _merge(out, lse, block_out, block_lse, layout):
     """Combines two softmax-normalised partial results by their logsumexps."""
     new_lse = jnp.logaddexp(lse, block_lse)
     finite = jnp.where(jnp.isfinite(new_lse), new_lse, 0.0)  # rows with no key at all yet
 
-    def weight(x):  # [b, h, s] -> [b, s, h, 1] to scale out
-        return jnp.exp(x - finite).transpose(0, 2, 1)[..., None]
+    def weight(x):  # [b, h, s] -> a factor for every row of out
+        factor = jnp.exp(x - finite)
+        return (factor if layout == HEADS_MAJOR else factor.swapaxes(1, 2))[..., None]
 
     return out * weight(lse) + block_out.astype(jnp.float32) * weight(block_lse), new_lse
 
@@ -132,16 +145,18 @@ def _chunk(k, v, positions, segment_ids):
     return k, v, jnp.stack([positions, segment_ids])
 
 
-def _forward(q, k, v, positions, segment_ids, axis_name, kernel_options):
+def _forward(q, k, v, positions, segment_ids, axis_name, kernel_options, given_layout):
     options = dict(kernel_options)
-    b, s, h, d = q.shape
+    layout = kernel_layout(positions.shape[1], options)
+    b, s, h, d = tokens_major_shape(q.shape, given_layout)
+    q, k, v = (relayout(x, given_layout, layout) for x in (q, k, v))
     q, positions, segment_ids = _tied((q, positions, segment_ids))
 
     def attend_and_merge(out, lse, k, v, ids):
         block = kernels.attention(q, k, v, q_positions=positions, kv_positions=ids[0],
                                   q_segment_ids=segment_ids, kv_segment_ids=ids[1],
-                                  causal=True, return_lse=True, **options)
-        return _merge(out, lse, *block)
+                                  causal=True, return_lse=True, layout=layout, **options)
+        return _merge(out, lse, *block, layout)
 
     def skip(out, lse, *_):
         return out, lse
@@ -156,35 +171,39 @@ def _forward(q, k, v, positions, segment_ids, axis_name, kernel_options):
                                 out, lse, *kv)
         return _tied((out, lse, next_kv))
 
-    init = (jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
             _chunk(k, v, positions, segment_ids))
     carry, _ = jax.lax.scan(lambda carry, _: (step(*carry, send=True), None), init,
                             length=jax.lax.axis_size(axis_name) - 1)
     out, lse, _ = step(*carry, send=False)
-    return out.astype(q.dtype), lse
+    return relayout(out.astype(q.dtype), layout, given_layout), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ring(q, k, v, positions, segment_ids, axis_name, kernel_options):
-    return _forward(q, k, v, positions, segment_ids, axis_name, kernel_options)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, positions, segment_ids, axis_name, kernel_options, given_layout):
+    return _forward(q, k, v, positions, segment_ids, axis_name, kernel_options,
+                    given_layout)[0]
 
 
-def _ring_fwd(q, k, v, positions, segment_ids, axis_name, kernel_options):
+def _ring_fwd(q, k, v, positions, segment_ids, axis_name, kernel_options, given_layout):
     out, lse = named_results(*_forward(q, k, v, positions, segment_ids, axis_name,
-                                       kernel_options))
+                                       kernel_options, given_layout))
     return out, (q, k, v, positions, segment_ids, out, lse)
 
 
-def _ring_bwd(axis_name, kernel_options, residuals, dout):
+def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
     q, k, v, positions, segment_ids, out, lse = residuals
     options = dict(kernel_options)
+    layout = kernel_layout(positions.shape[1], options)
     size = jax.lax.axis_size(axis_name)
+    q, k, v, out, dout = (relayout(x, given_layout, layout) for x in (q, k, v, out, dout))
     q, positions, segment_ids = _tied((q, positions, segment_ids))
 
     def attend(dq, k, v, ids):
         block_dq, block_dk, block_dv = kernels.attention_block_backward(
             q, k, v, out, lse, dout, q_positions=positions, kv_positions=ids[0],
-            q_segment_ids=segment_ids, kv_segment_ids=ids[1], causal=True, **options)
+            q_segment_ids=segment_ids, kv_segment_ids=ids[1], causal=True, layout=layout,
+            **options)
         return dq + block_dq.astype(jnp.float32), jnp.stack([block_dk, block_dv]).astype(
             jnp.float32)
 
@@ -206,7 +225,8 @@ def _ring_bwd(axis_name, kernel_options, residuals, dout):
     if size > 1:
         dq, partial = _steps_after_the_first(step, dq, kv, size)
         dkv = _plus(dkv, _sent_on(partial, axis_name))
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
+    return (*(relayout(g.astype(x.dtype), layout, given_layout) for g, x in
+              ((dq, q), (dkv[0], k), (dkv[1], v))), None, None)
 
 
 def _steps_after_the_first(step, dq, kv, size):

@@ -157,10 +157,11 @@ class ContextStrategy:
         raise NotImplementedError
 
     def kernel(self, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-               return_lse=False):
+               return_lse=False, layout=kernels.TOKENS_MAJOR):
         return kernels.attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
                                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                 causal=True, return_lse=return_lse, **self.kernel_options)
+                                 causal=True, return_lse=return_lse, layout=layout,
+                                 **self.kernel_options)
 
 
 def query_residuals(dm: Dims) -> float:

@@ -14,20 +14,24 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lctrain import kernels
+from lctrain.kernels.layout import TOKENS_MAJOR, axes, relayout
 from lctrain.parallel.cost_model import (F32, TOKEN_IDS, AttentionFootprint, Dims,
                                          NotOnThisMesh, Traffic)
 from lctrain.parallel.strategy import CONTEXT_AXIS, ContextStrategy
 from lctrain.recipes.schema import Recipe, RecipeError
 
 
-def sequence_to_heads(x, axis_name):
-    """[b, s/c, h, d] on each device -> [b, s, h/c, d]."""
-    return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+def sequence_to_heads(x, axis_name, layout):
+    """[b, s/c, h, d] on each device -> [b, s, h/c, d] (or head-major alike)."""
+    seq, heads = axes(layout)
+    return jax.lax.all_to_all(x, axis_name, split_axis=heads, concat_axis=seq, tiled=True)
 
 
-def heads_to_sequence(x, axis_name):
-    """[b, s, h/c, d] on each device -> [b, s/c, h, d]."""
-    return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+def heads_to_sequence(x, axis_name, layout):
+    """[b, s, h/c, d] on each device -> [b, s/c, h, d] (or head-major alike)."""
+    seq, heads = axes(layout)
+    return jax.lax.all_to_all(x, axis_name, split_axis=seq, concat_axis=heads, tiled=True)
 
 
 def repeat_kv_heads_for(degree: int, kv_heads: int, kv: jax.Array) -> jax.Array:
@@ -66,10 +70,14 @@ class Ulysses(ContextStrategy):
         return recipe.data.seq_len, recipe.data.seq_len
 
     def local_attention(self, q, k, v, positions, segment_ids):
-        def attend(q, k, v, positions, segment_ids):
-            return self.kernel(q, k, v, positions, positions, segment_ids, segment_ids)
+        seq_len = positions.shape[1] * jax.lax.axis_size(CONTEXT_AXIS)
+        layout = kernels.native_layout(seq_len, seq_len, **self.kernel_options)
 
-        return ulysses_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS, attend)
+        def attend(q, k, v, positions, segment_ids):
+            return self.kernel(q, k, v, positions, positions, segment_ids, segment_ids,
+                               layout=layout)
+
+        return ulysses_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS, attend, layout)
 
     @classmethod
     def planned_ulysses_degree(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> int:
@@ -118,13 +126,16 @@ def ulysses_traffic(dm: Dims) -> Traffic:
                              * (u - 1) / u)}
 
 
-def ulysses_attention(q, k, v, positions, segment_ids, axis_name, attend_full_sequence):
+def ulysses_attention(q, k, v, positions, segment_ids, axis_name, attend_full_sequence,
+                      layout):
     """Ulysses over `axis_name`; `attend_full_sequence(q, k, v, positions, segment_ids)`
-    does the work for this device's group of heads."""
+    does the work for this device's group of heads, on tensors in `layout` (its kernel's:
+    the all-to-alls then deliver what the kernel reads, and no copy relayouts it)."""
     degree = jax.lax.axis_size(axis_name)
     k, v = (repeat_kv_heads_for(degree, k.shape[2], x) for x in (k, v))
-    q, k, v = (sequence_to_heads(x, axis_name) for x in (q, k, v))
+    q, k, v = (sequence_to_heads(relayout(x, TOKENS_MAJOR, layout), axis_name, layout)
+               for x in (q, k, v))
     positions, segment_ids = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
                               for x in (positions, segment_ids))
     out = attend_full_sequence(q, k, v, positions, segment_ids)
-    return heads_to_sequence(out, axis_name)
+    return relayout(heads_to_sequence(out, axis_name, layout), layout, TOKENS_MAJOR)

@@ -8,10 +8,12 @@ The Ulysses degree is capped by the heads; the ring takes the rest of the sequen
 
 from __future__ import annotations
 
+import jax
+
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import (AttentionFootprint, Dims, NotOnThisMesh, RingTiming,
                                          Traffic)
-from lctrain.parallel.ring import ring_attention
+from lctrain.parallel.ring import kernel_layout, ring_attention
 from lctrain.parallel.ring_cost import ring_attention_footprint, ring_timing, ring_traffic
 from lctrain.parallel.strategy import CONTEXT_AXIS, ContextStrategy
 from lctrain.parallel.ulysses import (check_ulysses_degree, ulysses_attention,
@@ -44,12 +46,16 @@ class UnifiedSequenceParallel(ContextStrategy):
 
     def local_attention(self, q, k, v, positions, segment_ids):
         options = tuple(sorted(self.kernel_options.items()))
+        # The ring's kernel calls take a Ulysses group's chunk against another's.
+        layout = kernel_layout(positions.shape[1] * jax.lax.axis_size(ULYSSES_AXIS),
+                               self.kernel_options)
 
         def ring_over_groups(q, k, v, positions, segment_ids):
-            return ring_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS, options)
+            return ring_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS, options,
+                                  layout)
 
         return ulysses_attention(q, k, v, positions, segment_ids, ULYSSES_AXIS,
-                                 ring_over_groups)
+                                 ring_over_groups, layout)
 
     @classmethod
     def planned_ulysses_degree(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> int:

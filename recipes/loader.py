@@ -6,6 +6,7 @@ so the CLI can print it as one line and exit 2 before anything is compiled.
 
 from __future__ import annotations
 
+import math
 import os
 import typing
 from importlib import resources
@@ -277,6 +278,12 @@ def _validate_mesh(recipe: Recipe) -> None:
     fills = [axis for axis, size in sizes.items() if size == -1]
     _require(len(fills) <= 1, f"mesh.{fills[-1] if fills else 'data'}", -1,
              f"only one mesh axis may be -1, got {', '.join(fills)}")
+    for axis, degree in recipe.mesh.dcn_sizes().items():
+        _require(degree >= 1, f"mesh.dcn_{axis}", degree, "must be >= 1 (1: inside one slice)")
+    if fills:
+        _check_dcn_divides(recipe.mesh.dcn_sizes(), sizes)
+    else:                                  # the mesh names every device it needs
+        _check_slices(recipe, sizes, math.prod(sizes.values()), None)
     p = recipe.parallel
     if recipe.mesh.context != -1:
         _check_strategy_splits(recipe, recipe.mesh.context)
@@ -353,9 +360,36 @@ def stored_chunks(recipe: Recipe, context: int) -> int:
     return 2 * context if recipe.parallel.load_balance and context > 1 else context
 
 
-def check_against_devices(recipe: Recipe, device_count: int) -> dict[str, int]:
-    """Checks that depend on the device count; returns the resolved mesh axis sizes."""
+def _check_dcn_divides(dcn: dict[str, int], sizes: dict[str, int]) -> None:
+    for axis, degree in dcn.items():    # an axis still -1 is checked once it is resolved
+        _require(sizes[axis] == -1 or sizes[axis] % degree == 0, f"mesh.dcn_{axis}", degree,
+                 f"must divide mesh.{axis} ({sizes[axis]}), the axis's total degree")
+
+
+def _check_slices(recipe: Recipe, sizes: dict[str, int], device_count: int,
+                  slices: int | None) -> None:
+    """Only data and fsdp span slices: mesh.dcn_data x mesh.dcn_fsdp of them (the devices'
+    own count, when known); context and tensor must fit inside one slice."""
+    mesh = recipe.mesh
+    _require(slices in (None, mesh.slices), "mesh.dcn_data", mesh.dcn_data,
+             f"the devices form {slices} slice(s) but mesh.dcn_data x mesh.dcn_fsdp = "
+             f"{mesh.slices}; make the product {slices} (lctrain plan: --slices)")
+    per_slice = device_count // mesh.slices
+    key = "context" if per_slice % sizes["context"] else "tensor"
+    _require(per_slice % (sizes["context"] * sizes["tensor"]) == 0, f"mesh.{key}", sizes[key],
+             f"mesh.context x mesh.tensor must fit inside one slice ({per_slice} devices): "
+             f"they exchange activations (context: K/V) every layer, which across slices would "
+             f"cross the data-center network (DCN), an order of magnitude slower than ICI; "
+             f"spread the slices over mesh.dcn_data / mesh.dcn_fsdp")
+    _check_dcn_divides(mesh.dcn_sizes(), sizes)
+
+
+def check_against_devices(recipe: Recipe, device_count: int,
+                          slices: int | None = None) -> dict[str, int]:
+    """Checks that depend on the devices (their count; their slices when known); returns
+    the resolved mesh axis sizes."""
     sizes = resolve_mesh(recipe, device_count)
+    _check_slices(recipe, sizes, device_count, slices)
     d, t = recipe.data, recipe.train
     batch_shards = sizes["data"] * sizes["fsdp"]
     _require(d.batch_size % (batch_shards * t.grad_accum_steps) == 0, "data.batch_size",

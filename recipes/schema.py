@@ -176,10 +176,26 @@ class MeshConfig:
     fsdp: int = option(1, "Fully-sharded data-parallel degree (parameters sharded over it).")
     context: int = option(1, "Context-parallel degree: the sequence is split over this axis.")
     tensor: int = option(1, "Tensor-parallel degree (heads and MLP width split over it).")
+    dcn_data: int = option(
+        1, "Multi-slice TPU: slices the data axis spans (they talk over the data-center "
+           "network, DCN); mesh.data stays the total degree, so this must divide it. "
+           "mesh.dcn_data x mesh.dcn_fsdp = the number of slices; context and tensor "
+           "stay inside one slice.")
+    dcn_fsdp: int = option(
+        1, "Multi-slice TPU: slices the fsdp axis spans; must divide mesh.fsdp (the total "
+           "degree).")
 
     def axis_sizes(self) -> dict[str, int]:
         return {"data": self.data, "fsdp": self.fsdp, "context": self.context,
                 "tensor": self.tensor}
+
+    def dcn_sizes(self) -> dict[str, int]:
+        """Slices each mesh axis spans (parallel/mesh.build_mesh's `dcn`)."""
+        return {"data": self.dcn_data, "fsdp": self.dcn_fsdp}
+
+    @property
+    def slices(self) -> int:
+        return self.dcn_data * self.dcn_fsdp
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Ahead-of-time compiles for a real TPU topology (parallel/aot.py): the HLO collective
-counter on hand-written HLO (fast), and the compiled train step of every context-parallel
-strategy checked against the traffic and memory its code implies (slow, needs libtpu).
+counter (parallel/hlo.py) on hand-written HLO (fast), and the compiled train step of every
+context-parallel strategy checked against the traffic and memory its code implies (slow,
+needs libtpu).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import math
 
 import pytest
 
-from lctrain.parallel import aot
+from lctrain.parallel import aot, hlo
+from lctrain.parallel.hlo_kernels import relayouts_next_to_kernels
 from lctrain.recipes import load_recipe
 
 # ------------------------------------------------------------ HLO counting ----
@@ -110,14 +112,14 @@ ENTRY %main (x: bf16[2,8], y: f32[4,16], s: f32[], z: f32[4,4], w: f32[4,16], v:
 
 
 def test_shape_bytes():
-    assert aot.shape_bytes("bf16[1,1024,2,8]{1,3,2,0:T(8,128)(2,1)}") == 32768
-    assert aot.shape_bytes("(f32[4,16]{1,0}, f32[]{:T(128)}, /*index=2*/s32[3])") == 256 + 4 + 12
-    assert aot.shape_bytes("pred[]") == 1
+    assert hlo.shape_bytes("bf16[1,1024,2,8]{1,3,2,0:T(8,128)(2,1)}") == 32768
+    assert hlo.shape_bytes("(f32[4,16]{1,0}, f32[]{:T(128)}, /*index=2*/s32[3])") == 256 + 4 + 12
+    assert hlo.shape_bytes("pred[]") == 1
 
 
 def test_collective_bytes_of_hand_written_hlo():
     """Each expected figure: result bytes x the convention's factor x the loops around it."""
-    counted = aot.collective_bytes(HLO)
+    counted = hlo.collective_bytes(HLO)
     assert counted.bytes_by_kind == {
         # 2 outer (known_trip_count) x 3 inner (counter 0 < 3) x bf16[2,8]; the -start
         # half of the async pair is not counted again.
@@ -138,25 +140,25 @@ def test_collective_bytes_of_hand_written_hlo():
 
 
 def test_collectives_selected_by_op_name():
-    counted = aot.collective_bytes(HLO, op_name_contains="shard_map")
+    counted = hlo.collective_bytes(HLO, op_name_contains="shard_map")
     assert counted.bytes_by_kind == {"collective-permute": 2 * 3 * 32, "all-to-all": 64 // 2,
                                      "all-gather": 0, "all-reduce": 0, "reduce-scatter": 0}
 
 
 def test_unknown_trip_count_is_reported_and_counted_once():
-    hlo = HLO.replace(', backend_config={"known_trip_count":{"n":"2"}}', "")
-    counted = aot.collective_bytes(hlo)
+    text = HLO.replace(', backend_config={"known_trip_count":{"n":"2"}}', "")
+    counted = hlo.collective_bytes(text)
     assert counted.unknown_trip_counts == 1
     assert counted.bytes_by_kind["collective-permute"] == 3 * 32
 
 
 def test_group_sizes():
-    assert aot._group_size("replica_groups={{0,2},{1,3}}, dimensions={0}", 4) == 2
-    assert aot._group_size("replica_groups=[2,4]<=[8]", 8) == 4
-    assert aot._group_size("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == 2
-    assert aot._group_size("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2] "
+    assert hlo._group_size("replica_groups={{0,2},{1,3}}, dimensions={0}", 4) == 2
+    assert hlo._group_size("replica_groups=[2,4]<=[8]", 8) == 4
+    assert hlo._group_size("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == 2
+    assert hlo._group_size("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2] "
                            "{'axis_0','axis_1'}", 8) == 4
-    assert aot._group_size("replica_groups={}", 8) == 8
+    assert hlo._group_size("replica_groups={}", 8) == 8
 
 
 def test_hbm_bytes_subtracts_the_aliased_state_once():
@@ -367,14 +369,21 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
     """The whole train step with attention.impl=pallas (ours) or splash, compiled for the
     TPU with every device in the context axis (4 v5p chips; 8 devices on tpu7x, two per
     chip): every strategy's program calls the forward, dq and dk/dv kernels as Mosaic
-    custom calls (not an XLA fallback)."""
-    overrides = [*MODEL_SETS, f"parallel.strategy={strategy}", "mesh.context=-1", "mesh.data=1",
-                 "data.seq_len=8192", "data.batch_size=1", f"attention.impl={impl}"]
+    custom calls (not an XLA fallback), and no call has a relayout copy or transpose of
+    a K-sized tensor or larger beside it (issue 18: ring keeps its tensors in the
+    kernels' layout, converted once per layer)."""
+    # Llama's head dim: a head dim of 16 fills an eighth of the 128 lanes of a TPU tile,
+    # and XLA lays such tensors out otherwise (it relayouts q for all_gather's kernel).
+    overrides = [*MODEL_SETS, "model.head_dim=128", f"parallel.strategy={strategy}",
+                 "mesh.context=-1", "mesh.data=1", "data.seq_len=8192", "data.batch_size=1",
+                 f"attention.impl={impl}"]
     if strategy == "usp":
         overrides.append("parallel.ulysses=2")
-    compiled = aot.compile_train_step(load_recipe(None, overrides),
-                                      aot.topology_devices(topology))
-    mosaic_calls = [line for line in compiled.as_text().splitlines()
+    devices = aot.topology_devices(topology)
+    text = aot.compile_train_step(load_recipe(None, overrides), devices).as_text()
+    mosaic_calls = [line for line in text.splitlines()
                     if 'custom_call_target="tpu_custom_call"' in line]
     for kernel in KERNEL_NAMES[impl]:
         assert any(kernel in line for line in mosaic_calls), kernel
+    local_kv = kv_bytes(8192 // len(devices)) * 128 // HEAD_DIM
+    assert relayouts_next_to_kernels(text, KERNEL_NAMES[impl], local_kv) == []

@@ -166,6 +166,19 @@ def splash_reference():
     return loss_and_grads(recipe_for("none", {"data": 1}, 2, seq=SPLASH_SEQ), jax.devices()[:1])
 
 
+# attention.impl=pallas (ours, interpreted on CPU): every strategy on every mesh, GQA,
+# load-balanced, with the tensors in the kernel's head-major layout (kernels/layout.py).
+PALLAS_CASES = [*[(strategy, mesh, []) for strategy in ("all_gather", "ulysses", "ring")
+                  for mesh in MESHES],
+                *[("usp", "context8", [f"parallel.ulysses={u}"]) for u in (2, 4)]]
+
+
+@pytest.mark.parametrize("strategy, mesh, extra", PALLAS_CASES)
+def test_pallas_kernel_matches_single_device(reference, strategy, mesh, extra):
+    recipe = recipe_for(strategy, MESHES[mesh], 2, extra=["attention.impl=pallas", *extra])
+    assert_matches(reference[2], *loss_and_grads(recipe, jax.devices()))
+
+
 @pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
 def test_splash_kernel_matches_single_device(splash_reference, strategy):
     extra = ["attention.impl=splash", *(["parallel.ulysses=2"] if strategy == "usp" else [])]

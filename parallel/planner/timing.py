@@ -2,7 +2,8 @@
 
 Time: compute = (6 x parameters + 6 L s h d_head / 2) flops per token (trainer/metrics.py)
 plus what remat recomputes, at the chip's bf16 peak; each collective kind at the link
-bandwidth (one link for the ring's one-way sends, two for XLA's bidirectional rings). The
+bandwidth (one link for the ring's one-way sends, two for XLA's bidirectional rings), the
+part that crosses slices (traffic.DCN sources) at the chip's share of DCN bandwidth. The
 weight gathers, gradient reductions and loss-head traffic can overlap the compute; the
 strategy's own gathers / all-to-alls cannot (attention waits for them), nor the part of a
 ring send that outlasts its step's attention. Step = max(compute, overlappable traffic) +
@@ -18,6 +19,7 @@ import math
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import RING_SENDS, RingTiming, Traffic
 from lctrain.parallel.planner.shapes import count_parameters, loss_chunks
+from lctrain.parallel.planner.traffic import DCN
 from lctrain.recipes.schema import Recipe
 
 
@@ -37,7 +39,7 @@ def timing(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, detail: Traff
     strategy's, and the strategy's ring (None without one)."""
     flops = _flops_per_device(recipe, axis_sizes)
     compute_s = flops["hardware"] / chip.peak_bf16_flops
-    seconds = {source: nbytes / _bandwidth(chip, kind)
+    seconds = {source: nbytes / _bandwidth(chip, kind, source.endswith(DCN))
                for source, (kind, nbytes) in detail.items()}
     comm_s = sum(seconds.values())
     # On the critical path: the strategy's gathers and all-to-alls (attention waits for
@@ -51,10 +53,16 @@ def timing(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, detail: Traff
     return Timing(compute_s, comm_s, exposed_s, flops["model"], hidden)
 
 
-def _bandwidth(chip: Chip, kind: str) -> float:
+def _bandwidth(chip: Chip, kind: str, across_slices: bool = False) -> float:
     """Bytes/s one device receives for a collective kind: the ring's collective-permute
     uses one link (one direction); XLA's all-gather, reduce-scatter, all-reduce and
-    all-to-all run bidirectional rings, two links."""
+    all-to-all run bidirectional rings, two links. Across slices: the device's share of
+    its host's DCN bandwidth."""
+    if across_slices:
+        if chip.dcn_bytes_per_s is None:
+            raise ValueError(f"no DCN bandwidth known for {chip.name} (parallel/chips.py), "
+                             f"so a multi-slice step cannot be timed")
+        return chip.dcn_bytes_per_s
     links = 1 if kind == "collective-permute" else min(2, chip.links)
     return chip.link_bytes_per_s * links
 
