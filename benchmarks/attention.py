@@ -4,6 +4,13 @@ compiled memory per chip for a TPU from XLA's compiler (libtpu ahead-of-time).
     python benchmarks/attention.py                      # time on this machine's backend
     python benchmarks/attention.py --memory v5p:2x2x1   # + per-chip memory, compiled
 
+Without an accelerator (jax's backend is the CPU, where the Pallas kernels only run
+interpreted) it says so and prints the Pallas kernels' structure instead
+(kernels/pallas_structure.py): K/V block copies against computed block pairs and grid
+steps, per mask layout; matmuls per block pair; and with --relayouts TOPOLOGY the
+relayout copies beside the kernel calls of each strategy's compiled train step
+(parallel/hlo_kernels.py).
+
 Timing: causal attention of one sequence of --time-seq-lens tokens with Llama 3.1 8B's
 heads (32 query / 8 KV of 128, bf16), `jax.value_and_grad` of the output's sum, median of
 --repeats runs after a warm-up. TFLOP/s counts the causal half of the score matrix:
@@ -29,8 +36,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lctrain import kernels
+from lctrain.kernels import pallas_structure
+from lctrain.parallel.native_stderr import shown_only_on_failure
+from lctrain.parallel.strategy import load_balanced_order
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+STRUCTURE_TOKENS, STRUCTURE_BLOCK = 4096, 512
 
 
 def attention_loss(impl: str, platform: str | None, block: int):
@@ -89,6 +100,67 @@ def compiled_memory(impl: str, seq_len: int, block: int, device, dtype) -> tuple
     return stats.hbm_bytes, stats.temp_bytes
 
 
+def _mask_layouts(s: int) -> dict[str, tuple]:
+    """(q positions, kv positions, q segments, kv segments, causal) [1, s] of the calls
+    the strategies make: one document; four packed (positions restarting); a ring step
+    against an earlier chunk and against its own; one rank of a 4-way load-balanced
+    all_gather (its queries against the whole stored sequence)."""
+    index, one = np.arange(s)[None], np.zeros((1, s), np.int64)
+    starts = np.array([0, s // 5, s // 2, 4 * s // 5])
+    segments = np.searchsorted(starts, np.arange(s), side="right")[None] - 1
+    restarted = index - starts[segments]
+    order = load_balanced_order(s, 4)[None]
+    return {"causal": (index, index, one, one, True),
+            "packed, 4 documents": (restarted, restarted, segments, segments, True),
+            "ring step, earlier chunk": (index + s, index, one, one, True),
+            "ring step, own chunk": (index + s, index + s, one, one, True),
+            "all_gather rank 0 of 4": (order[:, :s // 4], order, one[:, :s // 4], one, True)}
+
+
+def print_structure(topology: str | None) -> None:
+    print(f"\nPallas kernel structure (forward grid, {STRUCTURE_TOKENS} tokens, blocks of "
+          f"{STRUCTURE_BLOCK}, 4 query heads on 2 KV heads)")
+    print(f"{'mask':<26}{'grid steps':>11}{'computed':>10}{'K/V copies':>12}")
+    for name, layout in _mask_layouts(STRUCTURE_TOKENS).items():
+        ids = tuple(np.asarray(x, np.int32) for x in layout[:4])
+        sched = pallas_structure.schedule(*ids, layout[4], block=STRUCTURE_BLOCK)
+        figures = pallas_structure.kv_copy_figures(sched)
+        print(f"{name:<26}{figures.steps:>11}{figures.computed:>10}{figures.copies:>12}")
+    print("(a skipped step names the block already in VMEM: copies = computed pairs less "
+          "those reusing the previous block)")
+    per_pair = pallas_structure.matmuls_per_block_pair()
+    print("matmuls per computed block pair: " + ", ".join(
+        f"{name} {count}" for name, count in per_pair.items()))
+    if topology:
+        print_relayouts(topology)
+
+
+def print_relayouts(topology: str) -> None:
+    """Relayout copies beside the kernel calls of a small train step (head dim 128) per
+    strategy and kernel, compiled for `topology`."""
+    from lctrain.parallel import aot
+    from lctrain.parallel.hlo_kernels import kernel_calls, relayouts_next_to_kernels
+    from lctrain.recipes import load_recipe
+
+    names = {"pallas": ("lctrain_flash_forward", "lctrain_flash_backward"),
+             "splash": ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv")}
+    devices = aot.topology_devices(topology)
+    print(f"\nrelayouts beside the kernel calls, train step compiled for {topology}")
+    print(f"{'strategy':<12}{'kernel':<8}{'calls':>6}{'relayouts':>11}")
+    for strategy in ("all_gather", "ulysses", "ring", "usp"):
+        for impl, kernel_names in names.items():
+            recipe = load_recipe(None, [
+                "model.layers=2", "model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=2",
+                "model.d_ff=2048", "model.vocab=1024", "model.dtype=bfloat16",
+                f"attention.impl={impl}", f"parallel.strategy={strategy}", "mesh.data=1",
+                "mesh.context=-1", "data.seq_len=8192", "data.batch_size=1",
+                *(["parallel.ulysses=2"] if strategy == "usp" else [])])
+            text = aot.compile_train_step(recipe, devices).as_text()
+            found = relayouts_next_to_kernels(text, kernel_names, 1 << 19)
+            print(f"{strategy:<12}{impl:<8}{len(kernel_calls(text, kernel_names)):>6}"
+                  f"{len(found):>11}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impls", nargs="+", default=None, choices=kernels.IMPLS,
@@ -100,13 +172,22 @@ def main(argv=None) -> int:
                         default=[32768, 131072, 524288])
     parser.add_argument("--block", type=int, default=512, help="block_q = block_kv")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--relayouts", metavar="TOPOLOGY", default=None,
+                        help="without an accelerator: also count relayouts beside the kernel "
+                             "calls of each strategy compiled for this TPU topology")
     args = parser.parse_args(argv)
     dtype = jnp.bfloat16
-    backend = jax.default_backend()
-    impls = args.impls or (["xla"] if backend == "cpu" else list(kernels.IMPLS))
-
-    print(f"causal attention, 1 x seq x {HEADS} heads ({KV_HEADS} KV) x {HEAD_DIM}, bf16, "
-          f"blocks {args.block}; forward+backward")
+    with shown_only_on_failure():  # libtpu's start-up warnings where no TPU is attached
+        backend = jax.default_backend()
+    impls = args.impls or list(kernels.IMPLS)
+    if backend == "cpu" and not args.impls:
+        print("no accelerator here (jax's backend is cpu, where the Pallas kernels run "
+              "interpreted): no timing, the kernels' structure instead")
+        print_structure(args.relayouts)
+        args.time_seq_lens = []
+    else:
+        print(f"causal attention, 1 x seq x {HEADS} heads ({KV_HEADS} KV) x {HEAD_DIM}, "
+              f"bf16, blocks {args.block}; forward+backward")
     if args.time_seq_lens:
         print(f"\ntime on {backend} ({jax.devices()[0].device_kind})")
         print(f"{'impl':<8}{'seq_len':>9}{'ms':>12}{'TFLOP/s':>10}")
