@@ -6,6 +6,7 @@ XLA_FLAGS before jax initialises its backends.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Optional
@@ -68,6 +69,9 @@ def plan(
     max_seq: bool = typer.Option(
         False, "--max-seq", help="Longest sequence that fits per strategy (estimated; with "
                                  "--compile, by compiling)."),
+    no_cache: bool = typer.Option(
+        False, "--no-cache", help="Compile again even where compiled figures for the same "
+                                  "recipe, topology and versions are cached."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Per-device memory and communication of each context-parallel strategy, and a pick
@@ -112,8 +116,11 @@ def plan(
             devices = aot.topology_devices(topology, slices)
         except (RuntimeError, ValueError) as err:
             fail(str(err))
-        planner.attach_compiled(result, loaded, devices, timed=compile_timer)
-    longest = (planner.longest_sequences(result, loaded, platform, devices, compile_timer)
+        planner.attach_compiled(
+            result, loaded, devices, timed=compile_timer, use_cache=not no_cache,
+            make_devices=functools.partial(aot.topology_devices, topology, slices))
+    longest = (planner.longest_sequences(result, loaded, platform, devices, compile_timer,
+                                         use_cache=not no_cache)
                if max_seq else {})
     if as_json:
         out = result.as_json()

@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import xla
-from .layout import HEADS_MAJOR, TOKENS_MAJOR, convert, seq_len
+from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, seq_len
 from .pallas_kernels import N_PREFETCH, backward_kernel, forward_kernel
 from .pallas_schedule import KeyMajor, Prefetch, QueryMajor, prefetch_arrays
 from .residuals import named_results
@@ -214,7 +214,7 @@ def _grid_spec(grid, in_specs, out_specs, scratch_shapes):
 
 def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv,
                     interpret, layout):
-    q, k, v = (convert(x, layout, HEADS_MAJOR) for x in (q, k, v))
+    q, k, v = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v))
     pb = _problem(q, k, block_q, block_kv)
     grid, locator, specs = pb.query_major()
     prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal)
@@ -232,12 +232,12 @@ def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, bloc
         compiler_params=_compiler_params(3, 1),
         interpret=interpret, name="lctrain_flash_forward",
     )(*prefetch, q, k, v, *rows)
-    return convert(out, HEADS_MAJOR, layout), lse[:, :, 0, :]
+    return relayout(out, HEADS_MAJOR, layout), lse[:, :, 0, :]
 
 
 def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, causal,
                      block_q, block_kv, interpret, layout):
-    q, k, v, out, dout = (convert(x, layout, HEADS_MAJOR) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v, out, dout))
     pb = _problem(q, k, block_q, block_kv)
     prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal)
     # delta_i = sum_d do_i o_i (the softmax-Jacobian term) minus the lse cotangent:
@@ -273,7 +273,7 @@ def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg
         interpret=interpret, name="lctrain_flash_backward",
     )(*operands, *_vary_alike(jnp.zeros(dq_shape, _F32), q)[:1])
     dq = (pb.scale * dq).astype(q.dtype)
-    return tuple(convert(x, HEADS_MAJOR, layout) for x in (dq, dk, dv))
+    return tuple(relayout(x, HEADS_MAJOR, layout) for x in (dq, dk, dv))
 
 
 # ------------------------------------------------------------- custom vjp ----

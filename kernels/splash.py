@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
-from .layout import HEADS_MAJOR, TOKENS_MAJOR, convert, seq_len
+from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, seq_len
 from .residuals import named_results
 
 _LANES = splash.NUM_LANES  # splash tiles the sequence in multiples of 128, even interpreted
@@ -250,21 +250,21 @@ def _backward_lse(lse):
 
 def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret, layout):
     row = functools.partial(_row_forward, blocks=blocks, causal=causal, interpret=interpret)
-    out, lse = _per_row(row, *(convert(x, layout, HEADS_MAJOR) for x in (q, k, v)),
+    out, lse = _per_row(row, *(relayout(x, layout, HEADS_MAJOR) for x in (q, k, v)),
                         q_pos, kv_pos, q_seg, kv_seg)
     out, lse = _without_empty_rows(out, lse)
-    return convert(out, HEADS_MAJOR, layout), lse
+    return relayout(out, HEADS_MAJOR, layout), lse
 
 
 def _backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, causal, blocks,
               interpret, layout):
-    q, k, v, out, dout = (convert(x, layout, HEADS_MAJOR) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v, out, dout))
     # d lse / d score = probability, so the lse cotangent enters exactly like -delta.
     delta = jnp.einsum("bhsd,bhsd->bhs", out.astype(_F32), dout.astype(_F32)) - dlse
     row = functools.partial(_row_backward, blocks=blocks, causal=causal, interpret=interpret)
     grads = _per_row(row, q, k, v, out, _backward_lse(lse), dout, delta, q_pos, kv_pos,
                      q_seg, kv_seg)
-    return tuple(convert(g, HEADS_MAJOR, layout) for g in grads)
+    return tuple(relayout(g, HEADS_MAJOR, layout) for g in grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))

@@ -131,9 +131,10 @@ class CompiledStats:
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
 
-def compiled_stats(compiled) -> CompiledStats:
+def memory_stats(compiled) -> CompiledStats:
+    """The memory figures of a compiled program alone (no collectives: those need a parse
+    of the whole HLO text, which the run's fit check does not)."""
     memory = compiled.memory_analysis()
-    ops, unknown = collective_ops(compiled.as_text())
     return CompiledStats(
         argument_bytes=memory.argument_size_in_bytes,
         output_bytes=memory.output_size_in_bytes,
@@ -142,8 +143,14 @@ def compiled_stats(compiled) -> CompiledStats:
         host_temp_bytes=memory.host_temp_size_in_bytes,
         host_argument_bytes=memory.host_argument_size_in_bytes,
         generated_code_bytes=memory.generated_code_size_in_bytes,
+        collective_bytes={})
+
+
+def compiled_stats(compiled) -> CompiledStats:
+    ops, unknown = collective_ops(compiled.as_text())
+    return dataclasses.replace(
+        memory_stats(compiled),
         collective_bytes=bytes_by_kind(ops),
         shard_map_collective_bytes=bytes_by_kind(ops, "shard_map"),
         dcn_collective_bytes=bytes_by_kind([op for op in ops if op.dcn]),
-        unknown_trip_counts=unknown,
-    )
+        unknown_trip_counts=unknown)

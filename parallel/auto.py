@@ -1,18 +1,24 @@
-"""parallel.strategy=auto: pick a context-parallel strategy from the planner's estimate.
+"""parallel.strategy=auto: pick a context-parallel strategy from the planner's estimate, then
+keep the first one whose compiled train step fits.
 
 The planner (`parallel/planner/`) estimates every strategy the mesh allows (per-device
-memory at the step's peak, traffic, step time); auto takes its recommendation: among the
-strategies that fit in device memory, the fastest estimated step, the simplest when they
-are within a few percent; when none fits, the one that needs the least memory. The run
-prints the choice and the planner's reason.
+memory at the step's peak, traffic, step time) and ranks them as its recommendation does:
+among the strategies that fit in device memory, the fastest estimated step, the simplest
+when they are within a few percent; when none fits, the one that needs the least memory.
+The estimate can be off by a quarter near the limit, so on a real accelerator the run
+compiles its first choice and, when XLA's own figure does not fit, falls back to the next
+(`first_that_fits`), saying why in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Any, Callable
 
 from lctrain.parallel import planner
 from lctrain.parallel.chips import CHIPS, Chip, chip_for_device_kind
+from lctrain.parallel.planner.results import StrategyPlan
 from lctrain.recipes.schema import Recipe
 
 # Peak flops and link bandwidth only set the balance of compute and traffic; devices the
@@ -20,26 +26,130 @@ from lctrain.recipes.schema import Recipe
 DEFAULT_CHIP = "v5p"
 
 
+@dataclasses.dataclass
+class AutoChoice:
+    """What auto chose: (strategy, ulysses degree) best first, and the sentence to print."""
+    ranked: list[tuple[str, int]]
+    sentence: str
+
+
+def ranked(plans: list[StrategyPlan]) -> list[StrategyPlan]:
+    """The plans in the order the recommendation ranks them: its pick, then its pick of
+    the rest, and so on."""
+    left, order = list(plans), []
+    while left:
+        best, _ = planner.recommend(left)
+        order.append(best)
+        left.remove(best)
+    return order
+
+
+def ranked_strategies(recipe: Recipe, axis_sizes: dict[str, int], device_memory: int,
+                      chip: Chip | None = None, platform: str = "tpu"
+                      ) -> tuple[list[tuple[str, int]], str]:
+    """[(strategy, ulysses degree)] best first, and the reason for the first in words."""
+    if axis_sizes["context"] == 1:
+        return [("none", 1)], "mesh.context is 1"
+    chip = dataclasses.replace(chip or CHIPS[DEFAULT_CHIP], hbm_bytes=device_memory)
+    result = planner.plan(recipe, chip, axis_sizes, platform)
+    return [(p.strategy, p.ulysses) for p in ranked(result.plans)], result.reason
+
+
 def choose_strategy(recipe: Recipe, axis_sizes: dict[str, int], device_memory: int,
                     chip: Chip | None = None, platform: str = "tpu") -> tuple[str, int, str]:
     """Returns (strategy, ulysses degree, the reason in words)."""
-    if axis_sizes["context"] == 1:
-        return "none", 1, "mesh.context is 1"
-    chip = dataclasses.replace(chip or CHIPS[DEFAULT_CHIP], hbm_bytes=device_memory)
-    result = planner.plan(recipe, chip, axis_sizes, platform)
-    best = result.choice
-    return best.strategy, best.ulysses, result.reason
+    order, reason = ranked_strategies(recipe, axis_sizes, device_memory, chip, platform)
+    strategy, ulysses = order[0]
+    return strategy, ulysses, reason
+
+
+def strategy_name(strategy: str, ulysses: int) -> str:
+    return f"{strategy} (ulysses {ulysses})" if strategy == "usp" else strategy
 
 
 def resolve_auto(recipe: Recipe, axis_sizes: dict[str, int], devices,
-                 device_memory: int) -> str | None:
+                 device_memory: int) -> AutoChoice | None:
     """Replaces parallel.strategy=auto in `recipe` by the planner's pick for `devices`;
-    returns the sentence to print (None when the recipe named a strategy)."""
+    returns the ranking and the sentence to print (None when the recipe named a
+    strategy)."""
     if recipe.parallel.strategy != "auto":
         return None
-    strategy, ulysses, reason = choose_strategy(
-        recipe, axis_sizes, device_memory, chip_for_device_kind(devices[0].device_kind),
-        devices[0].platform)
-    recipe.parallel.strategy, recipe.parallel.ulysses = strategy, ulysses
-    return f"parallel.strategy=auto chose {strategy}" + (
-        f" (ulysses {ulysses})" if strategy == "usp" else "") + f": {reason}"
+    order, reason = ranked_strategies(recipe, axis_sizes, device_memory,
+                                      chip_for_device_kind(devices[0].device_kind),
+                                      devices[0].platform)
+    recipe.parallel.strategy, recipe.parallel.ulysses = order[0]
+    return AutoChoice(order, f"parallel.strategy=auto chose "
+                             f"{strategy_name(*order[0])}: {reason}")
+
+
+# ------------------------------------------------------- compiled fit check ----
+
+@dataclasses.dataclass
+class CompiledNeed:
+    """Per-device memory of one candidate's compiled train step."""
+    name: str
+    hbm_bytes: int
+    host_bytes: int = 0
+    refused: str | None = None      # XLA's own out-of-memory message, when it refused
+    seconds: float = 0.0            # lowering and compiling took
+
+
+def gigabytes(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:,.1f} MB"
+
+
+def compiled_line(need: CompiledNeed, limit: int | None) -> str:
+    """The line every run prints once its train step is compiled."""
+    host = f" + {gigabytes(need.host_bytes)} host" if need.host_bytes else ""
+    of = f" (of {gigabytes(limit)})" if limit else ""
+    took = f" in {need.seconds:.1f} s" if need.seconds else ""
+    return (f"compiled train step: {need.name}, {gigabytes(need.hbm_bytes)} per device{of}"
+            f"{host}{took}")
+
+
+def first_that_fits(candidates: list[tuple[str, int]],
+                    compile_candidate: Callable[[str, int], tuple[Any, CompiledNeed]],
+                    limit: int | None, say: Callable[[str], None]
+                    ) -> tuple[Any, CompiledNeed] | list[CompiledNeed]:
+    """Compiles the candidates in order (each once) until one needs at most `limit` bytes
+    per device (no limit: the first); returns what compile_candidate gave for it, or every
+    need when none fits."""
+    needs = []
+    for index, (strategy, ulysses) in enumerate(candidates):
+        compiled, need = compile_candidate(strategy, ulysses)
+        if need.refused is None and (limit is None or need.hbm_bytes <= limit):
+            say(compiled_line(need, limit))
+            return compiled, need
+        needs.append(need)
+        if index + 1 < len(candidates):
+            say(f"{shortfall(need, limit)}; trying {strategy_name(*candidates[index + 1])}")
+    return needs
+
+
+def shortfall(need: CompiledNeed, limit: int | None) -> str:
+    """'ring needs 97.2 GB of 95.7 GB per device' (or XLA's words when it gave no figure)."""
+    if not need.hbm_bytes:
+        return f"{need.name} does not fit: {need.refused}"
+    of = f" of {gigabytes(limit)}" if limit else ""
+    return f"{need.name} needs {gigabytes(need.hbm_bytes)}{of} per device"
+
+
+def none_fits(needs: list[CompiledNeed], limit: int) -> str:
+    """The smallest need of candidates none of which fits, in words."""
+    smallest = min(needs, key=lambda need: need.hbm_bytes or float("inf"))
+    tried = (f" (the least of {', '.join(need.name for need in needs)})" if len(needs) > 1
+             else "")
+    return shortfall(smallest, limit) + tried
+
+
+# XLA's TPU compiler refuses a program over HBM with "Used 97.24G of 95.74G hbm", in binary
+# units.
+_COMPILER_NEED = re.compile(r"Used ([\d.]+)([KMGT])i?B? of")
+
+
+def refused_need(name: str, message: str) -> CompiledNeed:
+    """The need of a candidate XLA refused to compile for lack of memory (0 when its
+    message gives no figure: it then ranks as the smallest only if every message does)."""
+    used = _COMPILER_NEED.search(message)
+    nbytes = float(used.group(1)) * 1024 ** "KMGT".index(used.group(2)) * 1024 if used else 0
+    return CompiledNeed(name, int(nbytes), refused=message.strip().splitlines()[0][:300])

@@ -3,6 +3,7 @@
 import builtins
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compiled-figure cache (parallel/planner/compiled.py): a fresh one per test process, so no
+# test reads figures an earlier run left in ~/.cache.
+os.environ["LCTRAIN_CACHE"] = tempfile.mkdtemp(prefix="lctrain-test-cache-")
 
 # `python -m pytest` from the repo root puts the root on sys.path, where our kernels/ folder
 # shadows Hugging Face's `kernels` package that transformers looks for; lctrain itself is

@@ -370,8 +370,8 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
     TPU with every device in the context axis (4 v5p chips; 8 devices on tpu7x, two per
     chip): every strategy's program calls the forward, dq and dk/dv kernels as Mosaic
     custom calls (not an XLA fallback), and no call has a relayout copy or transpose of
-    a K-sized tensor or larger beside it (issue 18: ring keeps its tensors in the
-    kernels' layout, converted once per layer)."""
+    a K-sized tensor or larger beside it (issue 18: ring and Ulysses keep their tensors
+    in the kernels' layout, converted once per layer), but for the two kinds below."""
     # Llama's head dim: a head dim of 16 fills an eighth of the 128 lanes of a TPU tile,
     # and XLA lays such tensors out otherwise (it relayouts q for all_gather's kernel).
     overrides = [*MODEL_SETS, "model.head_dim=128", f"parallel.strategy={strategy}",
@@ -386,4 +386,11 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
     for kernel in KERNEL_NAMES[impl]:
         assert any(kernel in line for line in mosaic_calls), kernel
     local_kv = kv_bytes(8192 // len(devices)) * 128 // HEAD_DIM
-    assert relayouts_next_to_kernels(text, KERNEL_NAMES[impl], local_kv) == []
+    found = relayouts_next_to_kernels(text, KERNEL_NAMES[impl], local_kv)
+    # Splash's forward writes its logsumexp 128 lanes wide, f32; XLA copies out the lane
+    # kept (README). Ulysses' all-to-all delivers sequence chunks major; one copy per
+    # layer interleaves them per head (or back, before the all-to-all home).
+    expected = [r for r in found if r.at_all_to_all and strategy in ("ulysses", "usp")
+                or r.kernel.startswith("splash_mha_fwd") and r.side == "result"
+                and r.shape.startswith("f32")]
+    assert [r for r in found if r not in expected] == []

@@ -22,10 +22,11 @@ SHORT = ["--set", "data.seq_len=64", "--set", "runtime.log_every=1"]
 
 
 def allocating_too_much(*args):
-    """A train step that asks XLA for 16 TiB: the CPU allocator's real RESOURCE_EXHAUSTED."""
+    """A train step that asks XLA for 16 TiB: the CPU allocator's real RESOURCE_EXHAUSTED
+    (jitted: the run compiles its step before the first one)."""
     def step(state, batch):
         return jax.jit(lambda: jnp.ones((2**42,), jnp.float32))()
-    return step
+    return jax.jit(step)
 
 
 def test_out_of_memory_is_one_line_with_the_figure_and_the_planner(tmp_path, monkeypatch):

@@ -19,6 +19,11 @@ class CheckpointError(RunFailure):
     """A checkpoint that orbax could not read."""
 
 
+class DoesNotFit(RunFailure):
+    """No candidate strategy's compiled train step fits in device memory (the message comes
+    from out_of_device_memory)."""
+
+
 # XLA's out-of-memory messages: the TPU compiler's ("Ran out of memory in memory space hbm.
 # Used 97.24G of 95.74G hbm. Exceeded hbm capacity by 1.50G.") and the allocators' at run
 # time ("Out of memory allocating 17592186044416 bytes.", "Attempting to allocate 4.00G").
@@ -45,6 +50,11 @@ def out_of_memory_message(err: BaseException) -> str:
         figure = f"a device could not allocate {_readable(wanted.group(1))}"
     else:
         figure = text.strip().splitlines()[0][:200]
+    return out_of_device_memory(figure)
+
+
+def out_of_device_memory(figure: str) -> str:
+    """The out-of-memory line around `figure` (what needs how much of what)."""
     return (f"out of device memory: {figure}. `lctrain plan RECIPE --topology CHIP:SHAPE "
             f"--compile` gives each strategy's memory per device and `--max-seq` the longest "
             f"sequence that fits; raise mesh.context, or offload the layer inputs "

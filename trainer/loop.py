@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -14,20 +15,24 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from rich.console import Console
 
-from lctrain.parallel import build_mesh, describe_devices, make_strategy, strategy_class
-from lctrain.parallel.auto import resolve_auto
+from lctrain.parallel import (ContextStrategy, build_mesh, describe_devices, make_strategy,
+                              strategy_class)
+from lctrain.parallel.aot import abstract_batch, memory_stats
+from lctrain.parallel.auto import (CompiledNeed, first_that_fits, none_fits, refused_need,
+                                   resolve_auto, strategy_name)
 from lctrain.parallel.chips import chip_for_device_kind
+from lctrain.parallel.mesh import slice_count
 from lctrain.recipes import Recipe, RecipeError, check_against_devices
 
 from .checkpoint import Checkpointer
 from .data import Batch, DataSource, make_source
-from .failures import RunFailure
+from .failures import DoesNotFit, RunFailure, is_out_of_memory, out_of_device_memory
 from .metrics import MetricsWriter, peak_flops, training_flops_per_token
 from .model import count_parameters
 from .progress import Bar, timed
 from .resume import check_rerun
-from .step import (BATCH_FIELDS, TrainState, build_trainable, batch_shardings, initial_state,
-                   make_train_step)
+from .step import (BATCH_FIELDS, Trainable, TrainState, build_trainable, batch_shardings,
+                   initial_state, make_train_step)
 
 
 def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
@@ -36,10 +41,7 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
     parallel.strategy=auto (saying why), and builds the mesh. Evaluation (`evaluating`, or
     eval.every in training) is checked at eval.seq_len."""
     devices = jax.devices() if devices is None else devices
-    sizes = check_against_devices(recipe, len(devices))
-    choice = resolve_auto(recipe, sizes, devices, device_memory_bytes(devices))
-    if choice and console:
-        console.print(choice, soft_wrap=True, markup=False)
+    sizes, _ = resolve_strategy(recipe, devices, console)
     strategy, platform = strategy_class(recipe), devices[0].platform
     if platform == "cpu" and recipe.attention.impl in ("pallas", "splash") and console:
         console.print(f"note: attention.impl={recipe.attention.impl} runs in Pallas interpret "
@@ -54,7 +56,19 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
             if recipe.eval.seq_len is None:
                 raise
             raise RecipeError(str(err).replace("data.seq_len", "eval.seq_len")) from None
-    return build_mesh(sizes, recipe.parallel.ulysses, devices)
+    return build_mesh(sizes, recipe.parallel.ulysses, devices, recipe.mesh.dcn_sizes())
+
+
+def resolve_strategy(recipe: Recipe, devices, console: Console | None = None
+                     ) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    """The mesh's axis sizes, and the strategies to try, best first: auto's ranking (the
+    recipe is set to its first, and the choice printed), else the recipe's own."""
+    sizes = check_against_devices(recipe, len(devices), slice_count(devices))
+    choice = resolve_auto(recipe, sizes, devices, device_memory_bytes(devices))
+    if choice and console:
+        console.print(choice.sentence, soft_wrap=True, markup=False)
+    return sizes, (choice.ranked if choice
+                   else [(recipe.parallel.strategy, recipe.parallel.ulysses)])
 
 
 def device_memory_bytes(devices) -> int:
@@ -63,11 +77,74 @@ def device_memory_bytes(devices) -> int:
     chip = chip_for_device_kind(devices[0].device_kind)
     if chip:
         return int(chip.hbm_bytes)
-    local = [d for d in devices if d.process_index == jax.process_index()]
+    return allocator_limit(devices) or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                                        // max(len(_local(devices)), 1))
+
+
+def allocator_limit(devices) -> int | None:
+    """What one device's allocator may hand out (memory_stats' bytes_limit), where the
+    platform reports it: on a GPU, the share jax preallocates."""
+    local = _local(devices)
     stats = local[0].memory_stats() if local else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(len(local), 1)
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def _local(devices) -> list:
+    return [d for d in devices if d.process_index == jax.process_index()]
+
+
+class CompiledRun(NamedTuple):
+    """A run's mesh, strategy and state, and its train step compiled once for them."""
+    mesh: Mesh
+    strategy: ContextStrategy
+    trainable: Trainable
+    train_step: jax.stages.Compiled
+
+
+def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
+                memory_limit: int | None = None) -> CompiledRun:
+    """Builds and compiles the train step of the recipe's strategy (auto: of the planner's
+    first choice, then of the next while XLA's figure does not fit in `memory_limit` per
+    device) and prints the compiled figure. The limit defaults to the device's memory on
+    a TPU or GPU and to none on CPU (fake devices share the host's RAM). The recipe ends
+    up naming the strategy that runs."""
+    devices = jax.devices() if devices is None else devices
+    _, candidates = resolve_strategy(recipe, devices, console)
+    if memory_limit is None and devices[0].platform in ("tpu", "gpu"):
+        memory_limit = allocator_limit(devices) or device_memory_bytes(devices)
+
+    def compile_candidate(strategy: str, ulysses: int) -> tuple[CompiledRun | None,
+                                                                 CompiledNeed]:
+        recipe.parallel.strategy, recipe.parallel.ulysses = strategy, ulysses
+        name = strategy_name(strategy, ulysses)
+        mesh = mesh_for(recipe, devices, console)
+        context_strategy = make_strategy(recipe, mesh)
+        trainable = build_trainable(recipe, mesh)
+        step = make_train_step(recipe, trainable, context_strategy, mesh)
+        start = time.perf_counter()
+        try:
+            compiled = step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile()
+        except Exception as err:  # XLA's TPU compiler refuses a program over HBM
+            if not is_out_of_memory(err) or memory_limit is None:
+                raise
+            return None, refused_need(name, str(err))
+        need = compiled_need(name, compiled)
+        need.seconds = time.perf_counter() - start
+        return CompiledRun(mesh, context_strategy, trainable, compiled), need
+
+    say = ((lambda line: console.print(line, soft_wrap=True, markup=False)) if console
+           else (lambda line: None))
+    found = first_that_fits(candidates, compile_candidate, memory_limit, say)
+    if isinstance(found, list):
+        raise DoesNotFit(out_of_device_memory(none_fits(found, memory_limit)))
+    return found[0]
+
+
+def compiled_need(name: str, compiled: jax.stages.Compiled) -> CompiledNeed:
+    """XLA's per-device memory of a compiled program, read as `lctrain plan --compile` reads
+    it (CompiledStats.hbm_bytes)."""
+    stats = memory_stats(compiled)
+    return CompiledNeed(name, stats.hbm_bytes, stats.host_temp_bytes + stats.host_argument_bytes)
 
 
 def device_batch(source: DataSource, index: int, order: np.ndarray | None,
@@ -96,17 +173,16 @@ def device_batch(source: DataSource, index: int, order: np.ndarray | None,
 
 
 def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
-          devices=None) -> list[dict]:
+          devices=None, memory_limit: int | None = None) -> list[dict]:
     """Trains to recipe.train.steps on `devices` (default: all), resuming from run_dir's
-    latest checkpoint; returns the metrics records it logged."""
+    latest checkpoint; returns the metrics records it logged. `memory_limit` (bytes per
+    device) overrides the device's memory in compile_run's fit check."""
     is_main = jax.process_index() == 0
     console = Console(quiet=True) if not is_main else console or Console()
     rerun_note = check_rerun(recipe, run_dir)
-    mesh = mesh_for(recipe, devices, console)
+    mesh, strategy, trainable, train_step = compile_run(recipe, devices, console, memory_limit)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed,
                          holdout=recipe.eval.data_holdout)
-    strategy = make_strategy(recipe, mesh)
-    trainable = build_trainable(recipe, mesh)
     evaluator = None
     if recipe.eval.every:
         from .evaluate import Evaluator  # evaluate imports this module, hence here
@@ -126,7 +202,6 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     if rerun_note:
         console.print(rerun_note, markup=False, soft_wrap=True)
     order = strategy.sequence_order(recipe.data.seq_len)
-    train_step = make_train_step(recipe, trainable, strategy, mesh)
     writer = MetricsWriter(run_dir, is_main, console)
     console.print(f"{describe_devices(mesh, recipe.runtime.cpu_devices)} | "
                   f"model {recipe.model.name}: {count_parameters(recipe.model):,} parameters | "
@@ -223,7 +298,7 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
             throughput.steps += 1
             if step == first_step + 1:
                 jax.block_until_ready(metrics)
-                console.print(f"first step (compile + run) took "
+                console.print(f"first step took "
                               f"{time.perf_counter() - throughput.start:.1f} s")
                 throughput.restart()
             if not bool(metrics["finite"]):

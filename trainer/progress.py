@@ -20,16 +20,25 @@ def live(console: Console | None) -> bool:
     return console is not None and console.is_terminal and not console.quiet
 
 
+class Timing:
+    """What `timed` prints when the work ends: `label`, then the elapsed time, or `outcome`
+    where the work set one (a result read from a cache, a time measured elsewhere)."""
+
+    def __init__(self, label: str):
+        self.label, self.outcome = label, None
+
+
 @contextmanager
-def timed(console: Console | None, label: str) -> Iterator[None]:
+def timed(console: Console | None, label: str) -> Iterator[Timing]:
     """A spinner while the work runs (terminal only), then one line with its duration."""
     start = time.perf_counter()
+    timing = Timing(label)
     if live(console):
         with console.status(escape(label)):
-            yield
+            yield timing
     else:
-        yield
-    _done(console, label, start)
+        yield timing
+    _done(console, timing.label, start, timing.outcome)
 
 
 def tracked(console: Console | None, items: Iterable[T], label: str) -> Iterator[T]:
@@ -41,10 +50,11 @@ def tracked(console: Console | None, items: Iterable[T], label: str) -> Iterator
             bar.advance()
 
 
-def _done(console: Console | None, label: str, start: float) -> None:
+def _done(console: Console | None, label: str, start: float,
+          outcome: str | None = None) -> None:
     if console is not None:
-        console.print(f"{label}: {time.perf_counter() - start:.1f} s", markup=False,
-                      highlight=False, soft_wrap=True)
+        console.print(f"{label}: {outcome or f'{time.perf_counter() - start:.1f} s'}",
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 class Bar:

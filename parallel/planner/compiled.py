@@ -1,9 +1,25 @@
 """XLA's own figures beside the estimate: compile each strategy's train step for a TPU
-topology (parallel/aot.py, libtpu, no TPU needed) and recommend by what the compiler says."""
+topology (parallel/aot.py, libtpu, no TPU needed) and recommend by what the compiler says.
+
+A compile of a large recipe takes minutes and several GB of host memory, so figures are
+cached on disk, one JSON file per (recipe, devices, jax, libtpu, lctrain sources, XLA
+flags) under compile_cache_dir(); and the strategies of one plan compile in parallel
+processes where cores and memory allow (compile_workers).
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import multiprocessing
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Callable, ContextManager
 
 from lctrain.parallel.chips import Chip
@@ -13,8 +29,20 @@ from lctrain.parallel.planner.results import Plan
 from lctrain.recipes.schema import Recipe
 
 # What the compiling functions wrap each compile in, given its label (the CLI shows a
-# spinner and the elapsed time: each compile can take minutes).
+# spinner and the elapsed time: each compile can take minutes). What it yields may take a
+# new `label` and an `outcome` printed instead of the time (trainer.progress.Timing).
 Timer = Callable[[str], ContextManager]
+
+# Host memory one compile may take: llama3.1-8b at 1M tokens on v5p:2x2x1 peaks at several
+# GB in XLA's TPU compiler; a process per compile beyond what memory holds would swap.
+COMPILE_HOST_BYTES = 8 * 2**30
+
+# The code that builds the train step: an edit to it invalidates the cached figures.
+_COMPILED_PACKAGES = ("lctrain.trainer", "lctrain.parallel", "lctrain.kernels",
+                      "lctrain.recipes")
+
+# What the cache key reads of each device (a multi-slice device also has a slice_index).
+_DEVICE_FIELDS = ("platform", "device_kind", "coords", "core_on_chip", "slice_index")
 
 
 def compile_figures(recipe: Recipe, devices) -> dict:
@@ -42,13 +70,154 @@ def compiled_fits(figures: dict, chip: Chip) -> bool:
             and (figures.get("host_bytes") or 0) <= chip.host_bytes)
 
 
+# --------------------------------------------------------------------- cache ----
+
+def compile_cache_dir() -> Path:
+    """$LCTRAIN_CACHE/compiled, else $XDG_CACHE_HOME/lctrain/compiled, else
+    ~/.cache/lctrain/compiled."""
+    root = os.environ.get("LCTRAIN_CACHE")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(xdg) / "lctrain"
+    return Path(root) / "compiled"
+
+
+@functools.cache
+def _toolchain() -> dict:
+    """What else decides the compiled program: jax, jaxlib, libtpu, lctrain's own sources."""
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    sources = hashlib.sha256()
+    for package in _COMPILED_PACKAGES:
+        folder = Path(importlib.util.find_spec(package).submodule_search_locations[0])
+        for path in sorted(folder.rglob("*.py")):
+            sources.update(f"{package}/{path.relative_to(folder)}".encode() + b"\0"
+                           + path.read_bytes())
+    return {"jax": version("jax"), "jaxlib": version("jaxlib"), "libtpu": version("libtpu"),
+            "lctrain_sources": sources.hexdigest()}
+
+
+def cache_key(recipe: Recipe, devices) -> str | None:
+    """The cache file's name for this recipe on these devices; None when the devices are
+    not real device descriptions (nothing to key on, so nothing is cached)."""
+    if not all(hasattr(d, "device_kind") for d in devices):
+        return None
+    key = {"recipe": recipe.to_dict(),
+           "devices": [[getattr(d, field, None) for field in _DEVICE_FIELDS] for d in devices],
+           "env": {name: os.environ.get(name) for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
+           **_toolchain()}
+    text = json.dumps(key, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def read_cached(key: str | None) -> dict | None:
+    if key is None:
+        return None
+    try:
+        return json.loads((compile_cache_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):           # absent, or cut short by a crash
+        return None
+
+
+def write_cached(key: str | None, figures: dict) -> None:
+    if key is None:
+        return
+    folder = compile_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f"{key}.{os.getpid()}.tmp"
+    partial.write_text(json.dumps(figures))
+    partial.replace(folder / f"{key}.json")     # whole or absent, for concurrent readers
+
+
+def _finish(timing, label: str, outcome: str) -> None:
+    """Tells the timer's line its label and outcome (a plain context manager yields None)."""
+    if timing is not None:
+        timing.label, timing.outcome = label, outcome
+
+
+def cached_figures(recipe: Recipe, devices, label: str, timed: Timer,
+                   use_cache: bool = True) -> dict:
+    """compile_figures under the timer, or (use_cache) what an earlier compile of the same
+    key recorded, the timer's line then saying "cached"."""
+    key = cache_key(recipe, devices) if use_cache else None
+    with timed(label) as timing:
+        figures = read_cached(key)
+        if figures is not None:
+            _finish(timing, label, "cached")
+            return figures
+        figures = compile_figures(recipe, devices)
+    write_cached(key, figures)
+    return figures
+
+
+# ------------------------------------------------------------------ parallel ----
+
+def compile_workers(jobs: int) -> int:
+    """Processes for `jobs` compiles: no more than the cores, nor than the available
+    memory holds at COMPILE_HOST_BYTES each (at least one)."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, min(jobs, os.cpu_count() or 1, available // COMPILE_HOST_BYTES))
+
+
+def _compile_in_worker(make_devices: Callable[[], list], recipe: Recipe) -> tuple[dict, float]:
+    """Runs in a fresh process: the devices are rebuilt there (they do not pickle)."""
+    devices = make_devices()
+    start = time.perf_counter()
+    return compile_figures(recipe, devices), time.perf_counter() - start
+
+
+def compile_in_processes(jobs: dict[str, Recipe], make_devices: Callable[[], list],
+                         workers: int, timed: Timer) -> dict[str, dict]:
+    """{label: figures} for {label: recipe}, compiled in `workers` spawned processes; each
+    compile is reported as it finishes, with its own compile time."""
+    context = multiprocessing.get_context("spawn")  # a forked jax runtime is not safe
+    results = {}
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        pending: dict[Future, str] = {
+            pool.submit(_compile_in_worker, make_devices, recipe): label
+            for label, recipe in jobs.items()}
+        while pending:
+            waiting = ", ".join(label.removeprefix("compiled ").split(",")[0]
+                                for label in pending.values())
+            with timed(f"compiling {waiting} ({workers} processes)") as timing:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                finished = next(iter(done))
+                label = pending.pop(finished)
+                results[label], seconds = finished.result()
+                _finish(timing, label, f"{seconds:.1f} s")
+    return results
+
+
+# ---------------------------------------------------------------------- plan ----
+
 def attach_compiled(result: Plan, recipe: Recipe, devices,
-                    timed: Timer = lambda _: nullcontext()) -> None:
+                    timed: Timer = lambda _: nullcontext(), *,
+                    make_devices: Callable[[], list] | None = None,
+                    workers: int | None = None, use_cache: bool = True) -> None:
     """Compiles every strategy of the plan for `devices`, records XLA's figures and
-    recommends again by them."""
-    for strategy_plan in result.plans:
-        variant = recipe_for_strategy(recipe, strategy_plan.strategy, strategy_plan.ulysses)
-        with timed(f"compiled {strategy_plan.name}, seq {recipe.data.seq_len:,}, for "
-                   f"{len(devices)} devices"):
-            strategy_plan.compiled = compile_figures(variant, devices)
+    recommends again by them. Figures come from the cache where it has them; the rest
+    compile in parallel processes when `make_devices` (picklable, e.g.
+    functools.partial(aot.topology_devices, topology)) rebuilds the devices there and
+    `workers` (default compile_workers) is above one."""
+    labels = {f"compiled {p.name}, seq {recipe.data.seq_len:,}, for {len(devices)} devices": p
+              for p in result.plans}
+    variants = {label: recipe_for_strategy(recipe, p.strategy, p.ulysses)
+                for label, p in labels.items()}
+    keys = {label: cache_key(variant, devices) if use_cache else None
+            for label, variant in variants.items()}
+    missing = [label for label in labels if read_cached(keys[label]) is None]
+    workers = compile_workers(len(missing)) if workers is None else min(workers, len(missing))
+    fresh = {}
+    if make_devices is not None and workers > 1:
+        fresh = compile_in_processes({label: variants[label] for label in missing},
+                                     make_devices, workers, timed)
+        for label, figures in fresh.items():
+            write_cached(keys[label], figures)
+    for label, strategy_plan in labels.items():
+        strategy_plan.compiled = fresh.get(label) or cached_figures(
+            variants[label], devices, label, timed, use_cache)
     result.choice, result.reason = recommend(result.plans)

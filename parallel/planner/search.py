@@ -72,16 +72,19 @@ def with_seq_len(recipe: Recipe, seq_len: int) -> Recipe:
 def max_seq_len(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: str,
                 ulysses: int = 1, platform: str = "tpu", devices=None,
                 bisect_steps: int | None = None,
-                timed: compiled.Timer = lambda _: nullcontext()) -> int:
+                timed: compiled.Timer = lambda _: nullcontext(), use_cache: bool = True) -> int:
     """Longest sequence (a multiple of sequence_quantum) this strategy fits at, from the
-    estimate, or by compiling when `devices` (a TPU topology) are given."""
+    estimate, or by compiling when `devices` (a TPU topology) are given (each length's
+    figures cached as `plan --compile` caches them)."""
     variant = recipe_for_strategy(recipe, strategy, ulysses)
 
     def fits(seq_len: int) -> bool:
         candidate = with_seq_len(variant, seq_len)
         if devices is not None:
-            with timed(f"compiled {variant.parallel.strategy}, seq {seq_len:,}"):
-                return compiled.compiled_fits(compiled.compile_figures(candidate, devices), chip)
+            figures = compiled.cached_figures(
+                candidate, devices, f"compiled {variant.parallel.strategy}, seq {seq_len:,}",
+                timed, use_cache)
+            return compiled.compiled_fits(figures, chip)
         return estimate(candidate, axis_sizes, chip, strategy, ulysses, platform).fits
 
     quantum = sequence_quantum(recipe, axis_sizes)
@@ -92,8 +95,8 @@ def max_seq_len(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy
 
 
 def longest_sequences(result: Plan, recipe: Recipe, platform: str = "tpu",
-                      devices=None, timed: compiled.Timer = lambda _: nullcontext()
-                      ) -> dict[str, dict[str, int]]:
+                      devices=None, timed: compiled.Timer = lambda _: nullcontext(),
+                      use_cache: bool = True) -> dict[str, dict[str, int]]:
     """{strategy name: {"estimated": longest sequence, "compiled": ... (with `devices`)}}
     for every plan of `result`."""
     longest = {}
@@ -103,5 +106,5 @@ def longest_sequences(result: Plan, recipe: Recipe, platform: str = "tpu",
         longest[p.name] = {"estimated": search()}
         if devices is not None:
             longest[p.name]["compiled"] = search(devices, bisect_steps=COMPILED_BISECT_STEPS,
-                                                 timed=timed)
+                                                 timed=timed, use_cache=use_cache)
     return longest
