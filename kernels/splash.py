@@ -232,7 +232,11 @@ def _row_backward(q, k, v, out, lse, dout, delta, q_pos, kv_pos, q_seg, kv_seg, 
 
 def _per_row(fn, *batched):
     """fn over the rows of a batch, one kernel launch per row: every row has its own
-    block map (positions and segments differ per row)."""
+    block map (positions and segments differ per row). One row (long-context training's
+    usual batch per device) is called directly: inside a loop XLA may give the row's q
+    another layout than the kernel reads and copy it back."""
+    if batched[0].shape[0] == 1:
+        return jax.tree.map(lambda x: x[None], fn(*(x[0] for x in batched)))
     return jax.lax.map(lambda row: fn(*row), batched)
 
 

@@ -46,6 +46,10 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
         return value
     if dataclasses.is_dataclass(hint):
         return build(hint, value, key + ".")
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(f"recipe key '{key}': got {value!r}; expected a list")
+        return [coerce(f"{key}[{i}]", item, args[0]) for i, item in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise RecipeError(f"recipe key '{key}': got {value!r}; expected a mapping")

@@ -18,8 +18,9 @@ import yaml
 from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
 
 from .coerce import build, coerce
+from .mesh_checks import validate_mesh
 from .schema import (MODEL_PRESETS, REMAT_TENSORS, ROPE_KEYS, DataConfig, ModelConfig, Recipe,
-                     RecipeError)
+                     RecipeError, require)
 
 DEFAULT_RECIPE = "tiny"
 
@@ -111,13 +112,13 @@ def _fill_model_keys(raw: dict[str, Any]) -> None:
     if isinstance(init, str) and init.startswith("hf:"):
         from lctrain.trainer.hf_config import model_fields
 
-        _require("preset" not in model, "model.preset", model.get("preset"),
+        require("preset" not in model, "model.preset", model.get("preset"),
                  f"model.init={init} takes the architecture from config.json; remove "
                  f"model.preset")
         seq_len = (raw.get("data") or {}).get("seq_len", 256)
         base, source = model_fields(init[3:], seq_len), f"{init[3:]}/config.json"
     else:
-        _require(init == "random", "model.init", init, "use 'random' or 'hf:<model folder>'")
+        require(init == "random", "model.init", init, "use 'random' or 'hf:<model folder>'")
         preset = coerce("model.preset", model.get("preset", "tiny"), hints["preset"])
         base, source = MODEL_PRESETS[preset], None
     for key, value in base.items():
@@ -142,16 +143,11 @@ def _merged_rope_scaling(base: dict[str, Any], given: Any) -> Any:
 
 def _derive_model_keys(model: ModelConfig) -> None:
     if model.head_dim is None and model.n_heads > 0:
-        _require(model.d_model % model.n_heads == 0, "model.d_model", model.d_model,
+        require(model.d_model % model.n_heads == 0, "model.d_model", model.d_model,
                  f"must be divisible by model.n_heads ({model.n_heads}), or set model.head_dim")
         model.head_dim = model.d_model // model.n_heads
     if model.rope_scaling.original_max_position_embeddings is None:
         model.rope_scaling.original_max_position_embeddings = model.max_position_embeddings
-
-
-def _require(ok: bool, key: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise RecipeError(f"recipe key '{key}' = {value!r}: {fix}")
 
 
 def validate(recipe: Recipe, reads_data: bool = True) -> None:
@@ -159,78 +155,78 @@ def validate(recipe: Recipe, reads_data: bool = True) -> None:
     Without `reads_data` (lctrain export), data files may be gone."""
     m, d, t = recipe.model, recipe.data, recipe.train
     for name in ("layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab"):
-        _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be positive")
-    _require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even for RoPE")
+        require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be positive")
+    require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even for RoPE")
     _validate_rope(m)
-    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
+    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
              f"must divide model.n_heads ({m.n_heads})")
-    _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be positive")
-    _require(d.batch_size > 0, "data.batch_size", d.batch_size, "must be positive")
+    require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be positive")
+    require(d.batch_size > 0, "data.batch_size", d.batch_size, "must be positive")
     if reads_data:
-        _validate_source(recipe)
+        _validate_mixture(recipe) if d.sources else _validate_source(recipe)
     if reads_data and recipe.eval.source is not None:
         _validate_source(recipe.for_evaluation(), "eval")
-    _require(t.steps > 0, "train.steps", t.steps, "must be positive")
-    _require(t.lr > 0, "train.lr", t.lr, "must be positive")
-    _require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
-    _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
-    _require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
-    _require(t.grad_accum_steps > 0, "train.grad_accum_steps", t.grad_accum_steps,
+    require(t.steps > 0, "train.steps", t.steps, "must be positive")
+    require(t.lr > 0, "train.lr", t.lr, "must be positive")
+    require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
+    require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
+    require(t.grad_accum_steps > 0, "train.grad_accum_steps", t.grad_accum_steps,
              "must be positive")
-    _require(d.batch_size % t.grad_accum_steps == 0, "data.batch_size", d.batch_size,
+    require(d.batch_size % t.grad_accum_steps == 0, "data.batch_size", d.batch_size,
              f"must be divisible by train.grad_accum_steps ({t.grad_accum_steps})")
-    _validate_mesh(recipe)
+    validate_mesh(recipe)
     _validate_remat(recipe)
-    _require(recipe.attention.block_q > 0, "attention.block_q", recipe.attention.block_q,
+    require(recipe.attention.block_q > 0, "attention.block_q", recipe.attention.block_q,
              "must be positive")
-    _require(recipe.attention.block_kv > 0, "attention.block_kv", recipe.attention.block_kv,
+    require(recipe.attention.block_kv > 0, "attention.block_kv", recipe.attention.block_kv,
              "must be positive")
     chunk = recipe.loss.chunk_tokens
-    _require(chunk is None or chunk >= 0, "loss.chunk_tokens", chunk,
+    require(chunk is None or chunk >= 0, "loss.chunk_tokens", chunk,
              "must be >= 0 (0 = unchunked) or null (chosen from data.seq_len)")
-    _require(recipe.eval.batches > 0, "eval.batches", recipe.eval.batches, "must be positive")
-    _require(recipe.eval.seq_len is None or recipe.eval.seq_len > 1, "eval.seq_len",
+    require(recipe.eval.batches > 0, "eval.batches", recipe.eval.batches, "must be positive")
+    require(recipe.eval.seq_len is None or recipe.eval.seq_len > 1, "eval.seq_len",
              recipe.eval.seq_len, "must be at least 2, or null (data.seq_len)")
     _validate_eval_split(recipe)
-    _require(recipe.checkpoint.every >= 0, "checkpoint.every", recipe.checkpoint.every,
+    require(recipe.checkpoint.every >= 0, "checkpoint.every", recipe.checkpoint.every,
              "must be >= 0 (0 = only at the end)")
-    _require(recipe.checkpoint.keep >= 1, "checkpoint.keep", recipe.checkpoint.keep,
+    require(recipe.checkpoint.keep >= 1, "checkpoint.keep", recipe.checkpoint.keep,
              "must be >= 1")
     cpu_devices = recipe.runtime.cpu_devices
-    _require(cpu_devices == "auto" or cpu_devices >= 0, "runtime.cpu_devices", cpu_devices,
+    require(cpu_devices == "auto" or cpu_devices >= 0, "runtime.cpu_devices", cpu_devices,
              "must be >= 0 (0 = jax's default) or auto")
-    _require(recipe.runtime.log_every > 0, "runtime.log_every", recipe.runtime.log_every,
+    require(recipe.runtime.log_every > 0, "runtime.log_every", recipe.runtime.log_every,
              "must be positive")
 
 
 def _validate_eval_split(recipe: Recipe) -> None:
     e = recipe.eval
-    _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = no evaluation in training)")
-    _require(e.lengths >= 1, "eval.lengths", e.lengths, "must be >= 1")
-    _require(e.depths >= 1, "eval.depths", e.depths, "must be >= 1")
-    _require(0 <= e.holdout <= 0.5, "eval.holdout", e.holdout,
+    require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = no evaluation in training)")
+    require(e.lengths >= 1, "eval.lengths", e.lengths, "must be >= 1")
+    require(e.depths >= 1, "eval.depths", e.depths, "must be >= 1")
+    require(0 <= e.holdout <= 0.5, "eval.holdout", e.holdout,
              "must be in [0, 0.5]: a share of data.source's windows, e.g. 0.01")
-    if e.every and e.source is None and recipe.data.source != "synthetic":
-        _require(e.holdout > 0, "eval.every", e.every,
+    if e.every and e.source is None and (recipe.data.sources or recipe.data.source != "synthetic"):
+        require(e.holdout > 0, "eval.every", e.every,
                  f"evaluating during training needs data it does not train on: set "
                  f"eval.holdout (e.g. 0.01) or eval.source (data.source is {recipe.data.source})")
 
 
 def _validate_rope(m: ModelConfig) -> None:
-    _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be positive")
+    require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be positive")
     scaling = m.rope_scaling
     if scaling.type == "none":
         return
-    _require(scaling.factor > 0, "model.rope_scaling.factor", scaling.factor, "must be positive")
-    _require(scaling.original_max_position_embeddings > 0,
+    require(scaling.factor > 0, "model.rope_scaling.factor", scaling.factor, "must be positive")
+    require(scaling.original_max_position_embeddings > 0,
              "model.rope_scaling.original_max_position_embeddings",
              scaling.original_max_position_embeddings, "must be positive")
     if scaling.type == "llama3":
-        _require(scaling.high_freq_factor > scaling.low_freq_factor,
+        require(scaling.high_freq_factor > scaling.low_freq_factor,
                  "model.rope_scaling.high_freq_factor", scaling.high_freq_factor,
                  f"must exceed model.rope_scaling.low_freq_factor ({scaling.low_freq_factor})")
     if scaling.type == "yarn":
-        _require(scaling.beta_fast > scaling.beta_slow, "model.rope_scaling.beta_fast",
+        require(scaling.beta_fast > scaling.beta_slow, "model.rope_scaling.beta_fast",
                  scaling.beta_fast,
                  f"must exceed model.rope_scaling.beta_slow ({scaling.beta_slow})")
 
@@ -240,11 +236,11 @@ def _validate_source(recipe: Recipe, key: str = "data") -> None:
     reads) exists and suits the model."""
     d = recipe.data
     if d.source == "synthetic":
-        _require(d.seq_len >= 4, f"{key}.seq_len", d.seq_len, "the synthetic task needs >= 4")
+        require(d.seq_len >= 4, f"{key}.seq_len", d.seq_len, "the synthetic task needs >= 4")
         if key == "data":  # evaluation may well read synthetic data beside a tokenizer
             _require_no_tokenizer(d)
         return
-    _require(Path(d.source).exists(), f"{key}.source", d.source,
+    require(Path(d.source).exists(), f"{key}.source", d.source,
              f"no such file or folder (looked for {Path(d.source).absolute()}: a relative path "
              f"is taken from the working directory); use 'synthetic', a .bin/.npy token file "
              f"or text file(s)")
@@ -258,64 +254,60 @@ def _validate_source(recipe: Recipe, key: str = "data") -> None:
             DocumentTokenizer.load(d.tokenizer, key="data.tokenizer").check_vocab(
                 recipe.model.vocab, key="data.tokenizer")
         else:
-            _require(recipe.model.vocab >= 257, "model.vocab", recipe.model.vocab,
+            require(recipe.model.vocab >= 257, "model.vocab", recipe.model.vocab,
                      "text sources use the byte tokenizer (256 bytes + end-of-document): "
                      "need >= 257, or set data.tokenizer")
     except TokenizerError as err:
         raise RecipeError(str(err)) from None
 
 
+def _validate_mixture(recipe: Recipe) -> None:
+    """data.sources: each source exists, the weights are shares, and the mixture opens
+    (no source left empty by its length filter, one tokenizer for all)."""
+    from lctrain.trainer.data import DataError, make_source  # numpy only, no jax
+
+    d = recipe.data
+    require(d.source == "synthetic", "data.source", d.source,
+             "data.sources is set too, and a recipe reads one or the other: remove "
+             "data.source (or add it to data.sources as another {path, weight})")
+    for i, spec in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        require(spec.path != "" and Path(spec.path).exists(), f"{key}.path", spec.path,
+                 f"no such file or folder (looked for {Path(spec.path).absolute()}); use a "
+                 f".bin/.npy token file (lctrain tokenize) or text file(s)")
+        require(math.isfinite(spec.weight) and spec.weight >= 0, f"{key}.weight", spec.weight,
+                 "must be a number >= 0 (its share of training tokens, before the weights "
+                 "are divided by their sum)")
+        require(spec.min_doc_tokens >= 0, f"{key}.min_doc_tokens", spec.min_doc_tokens,
+                 "must be >= 0 (0 keeps documents of any length)")
+        require(spec.max_doc_tokens is None or spec.max_doc_tokens >= max(spec.min_doc_tokens, 1),
+                 f"{key}.max_doc_tokens", spec.max_doc_tokens,
+                 f"must be >= {key}.min_doc_tokens ({spec.min_doc_tokens}) and >= 1, or null")
+    weights = [spec.weight for spec in d.sources]
+    require(sum(weights) > 0, "data.sources", weights,
+             "the weights must add up to a positive number: give a source a weight > 0")
+    try:
+        make_source(d, vocab=recipe.model.vocab, seed=recipe.train.seed,
+                    holdout=recipe.eval.data_holdout)
+    except DataError as err:
+        raise RecipeError(str(err)) from None
+
+
 def _require_no_tokenizer(d: DataConfig) -> None:
-    _require(d.tokenizer is None, "data.tokenizer", d.tokenizer,
+    require(d.tokenizer is None, "data.tokenizer", d.tokenizer,
              "only used with a text data.source (a token file's sidecar <file>.json names "
              "its tokenizer); set it to null")
-
-
-def _validate_mesh(recipe: Recipe) -> None:
-    sizes = recipe.mesh.axis_sizes()
-    for axis, size in sizes.items():
-        _require(size == -1 or size > 0, f"mesh.{axis}", size, "must be positive or -1 (fill)")
-    fills = [axis for axis, size in sizes.items() if size == -1]
-    _require(len(fills) <= 1, f"mesh.{fills[-1] if fills else 'data'}", -1,
-             f"only one mesh axis may be -1, got {', '.join(fills)}")
-    for axis, degree in recipe.mesh.dcn_sizes().items():
-        _require(degree >= 1, f"mesh.dcn_{axis}", degree, "must be >= 1 (1: inside one slice)")
-    if fills:
-        _check_dcn_divides(recipe.mesh.dcn_sizes(), sizes)
-    else:                                  # the mesh names every device it needs
-        _check_slices(recipe, sizes, math.prod(sizes.values()), None)
-    p = recipe.parallel
-    if recipe.mesh.context != -1:
-        _check_strategy_splits(recipe, recipe.mesh.context)
-    _require(p.ulysses >= 1, "parallel.ulysses", p.ulysses, "must be >= 1")
-    if p.strategy != "usp":
-        _require(p.ulysses == 1, "parallel.ulysses", p.ulysses,
-                 f"only used with parallel.strategy=usp (strategy is '{p.strategy}')")
-
-
-def _check_strategy_splits(recipe: Recipe, context: int) -> None:
-    """Strategy 'none' keeps whole sequences (context 1); every other one but auto splits
-    them, so one chip in the context axis would make it a silent no-op."""
-    strategy = recipe.parallel.strategy
-    if strategy == "none":
-        _require(context == 1, "mesh.context", context,
-                 "parallel.strategy 'none' needs mesh.context = 1; pick a context-parallel "
-                 "strategy (all_gather, ulysses, ring, usp, auto)")
-    elif strategy != "auto":
-        _require(context > 1, "parallel.strategy", strategy,
-                 f"splits the sequence over mesh.context, which is {context}; set "
-                 f"mesh.context >= 2, or parallel.strategy=none")
 
 
 def _validate_remat(recipe: Recipe) -> None:
     r = recipe.remat
     for name in r.tensors:
-        _require(name in REMAT_TENSORS, f"remat.tensors.{name}", r.tensors[name],
+        require(name in REMAT_TENSORS, f"remat.tensors.{name}", r.tensors[name],
                  f"unknown tensor name; known: {', '.join(REMAT_TENSORS)}")
     if r.policy != "custom":
-        _require(not r.tensors, "remat.tensors", r.tensors,
+        require(not r.tensors, "remat.tensors", r.tensors,
                  f"only used with remat.policy=custom (policy is '{r.policy}')")
-    _require(r.mlp_chunk_tokens >= 0, "remat.mlp_chunk_tokens", r.mlp_chunk_tokens,
+    require(r.mlp_chunk_tokens >= 0, "remat.mlp_chunk_tokens", r.mlp_chunk_tokens,
              "use a positive number of tokens, or 0 to run the MLP unchunked")
 
 
@@ -325,87 +317,9 @@ def check_host_memory(recipe: Recipe, memory_kinds: set[str]) -> None:
     if "pinned_host" in memory_kinds:
         return
     kinds = ", ".join(sorted(memory_kinds))
-    _require(not recipe.optimizer.offload, "optimizer.offload", True,
+    require(not recipe.optimizer.offload, "optimizer.offload", True,
              f"these devices have no pinned_host memory (only {kinds}); set it to false")
     offloaded = [name for name, where in recipe.remat.tensors.items() if where == "offload"]
     if offloaded:
-        _require(False, f"remat.tensors.{offloaded[0]}", "offload",
+        require(False, f"remat.tensors.{offloaded[0]}", "offload",
                  f"these devices have no pinned_host memory (only {kinds}); use remat or device")
-
-
-def resolve_mesh(recipe: Recipe, device_count: int) -> dict[str, int]:
-    """Mesh axis sizes with -1 filled in; checks the product against the devices."""
-    sizes = recipe.mesh.axis_sizes()
-    fixed = 1
-    for size in sizes.values():
-        fixed *= size if size > 0 else 1
-    fill = [axis for axis, size in sizes.items() if size == -1]
-    if fill:
-        _require(device_count % fixed == 0, f"mesh.{fill[0]}", -1,
-                 f"the other axes multiply to {fixed}, which does not divide the "
-                 f"{device_count} devices")
-        sizes[fill[0]] = device_count // fixed
-    product = 1
-    for size in sizes.values():
-        product *= size
-    _require(product == device_count, "mesh", sizes,
-             f"axis sizes multiply to {product} but there are {device_count} devices; "
-             f"make the product {device_count} or set one axis to -1")
-    return sizes
-
-
-def stored_chunks(recipe: Recipe, context: int) -> int:
-    """How many contiguous chunks of the original sequence the stored order is made of:
-    2 * context when load-balanced (rank i holds chunks i and 2*context-1-i), else context."""
-    return 2 * context if recipe.parallel.load_balance and context > 1 else context
-
-
-def _check_dcn_divides(dcn: dict[str, int], sizes: dict[str, int]) -> None:
-    for axis, degree in dcn.items():    # an axis still -1 is checked once it is resolved
-        _require(sizes[axis] == -1 or sizes[axis] % degree == 0, f"mesh.dcn_{axis}", degree,
-                 f"must divide mesh.{axis} ({sizes[axis]}), the axis's total degree")
-
-
-def _check_slices(recipe: Recipe, sizes: dict[str, int], device_count: int,
-                  slices: int | None) -> None:
-    """Only data and fsdp span slices: mesh.dcn_data x mesh.dcn_fsdp of them (the devices'
-    own count, when known); context and tensor must fit inside one slice."""
-    mesh = recipe.mesh
-    _require(slices in (None, mesh.slices), "mesh.dcn_data", mesh.dcn_data,
-             f"the devices form {slices} slice(s) but mesh.dcn_data x mesh.dcn_fsdp = "
-             f"{mesh.slices}; make the product {slices} (lctrain plan: --slices)")
-    per_slice = device_count // mesh.slices
-    key = "context" if per_slice % sizes["context"] else "tensor"
-    _require(per_slice % (sizes["context"] * sizes["tensor"]) == 0, f"mesh.{key}", sizes[key],
-             f"mesh.context x mesh.tensor must fit inside one slice ({per_slice} devices): "
-             f"they exchange activations (context: K/V) every layer, which across slices would "
-             f"cross the data-center network (DCN), an order of magnitude slower than ICI; "
-             f"spread the slices over mesh.dcn_data / mesh.dcn_fsdp")
-    _check_dcn_divides(mesh.dcn_sizes(), sizes)
-
-
-def check_against_devices(recipe: Recipe, device_count: int,
-                          slices: int | None = None) -> dict[str, int]:
-    """Checks that depend on the devices (their count; their slices when known); returns
-    the resolved mesh axis sizes."""
-    sizes = resolve_mesh(recipe, device_count)
-    _check_slices(recipe, sizes, device_count, slices)
-    d, t = recipe.data, recipe.train
-    batch_shards = sizes["data"] * sizes["fsdp"]
-    _require(d.batch_size % (batch_shards * t.grad_accum_steps) == 0, "data.batch_size",
-             d.batch_size, f"must be divisible by mesh.data * mesh.fsdp * "
-                           f"train.grad_accum_steps = {batch_shards * t.grad_accum_steps}")
-    context = sizes["context"]
-    _check_strategy_splits(recipe, context)
-    chunks = stored_chunks(recipe, context)
-    for key, seq_len in (("data.seq_len", d.seq_len), ("eval.seq_len", recipe.eval.seq_len)):
-        _require(seq_len is None or seq_len % chunks == 0, key, seq_len,
-                 f"must be divisible by {chunks} (mesh.context={context}"
-                 + (", x2 for parallel.load_balance" if chunks != context else "") + ")")
-    m = recipe.model
-    _require(m.n_heads % sizes["tensor"] == 0 and m.n_kv_heads % sizes["tensor"] == 0,
-             "mesh.tensor", sizes["tensor"],
-             f"must divide model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads})")
-    _require(m.d_ff % sizes["tensor"] == 0, "mesh.tensor", sizes["tensor"],
-             f"must divide model.d_ff ({m.d_ff})")
-    return sizes

@@ -43,10 +43,13 @@ def _rows(cls: type, prefix: str) -> list[str]:
     for field in dataclasses.fields(cls):
         key, hint = f"{prefix}{field.name}", hints[field.name]
         section = _section(hint)
-        type_name = "section, below" if section else _type_name(hint)
+        listed = typing.get_origin(hint) is list  # e.g. data.sources: data.sources[].path
+        type_name = _type_name(hint)
+        if section:
+            type_name = "list of sections, below" if listed else "section, below"
         rows.append(f"| `{key}` | {type_name} | {_default(field, key)} | {field.metadata['help']} |")
         if section:
-            rows += _rows(section, key + ".")
+            rows += _rows(section, key + ("[]." if listed else "."))
     return rows
 
 

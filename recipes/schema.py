@@ -15,10 +15,16 @@ class RecipeError(ValueError):
     """A recipe value that cannot work; the message names the key, the value and the fix."""
 
 
+def require(ok: bool, key: str, value: Any, fix: str) -> None:
+    """RecipeError naming `key`, its `value` and the `fix`, unless `ok`."""
+    if not ok:
+        raise RecipeError(f"recipe key '{key}' = {value!r}: {fix}")
+
+
 def option(default: Any, help: str) -> Any:
     """A recipe field with its one-line documentation (used for the README reference)."""
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata={"help": help})
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -122,6 +128,26 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One component of a data mixture (data.sources)."""
+    path: str = option(
+        "", "A token file (.bin/.npy with its sidecar <file>.json) or a text file / folder "
+            "of .txt files, as data.source takes (a relative path is taken from the working "
+            "directory).")
+    weight: float = option(
+        1.0, "Share of training TOKENS drawn from this source (every row is seq_len tokens "
+             "of one source); weights are normalized by their sum.")
+    min_doc_tokens: int = option(
+        0, "Keep only documents of at least this many tokens (eos included); 0 keeps all.")
+    max_doc_tokens: int | None = option(
+        None, "Keep only documents of at most this many tokens (eos included); null: no "
+              "upper bound.")
+    start_at_document: bool = option(
+        False, "Read only windows that begin at a document start (the rest of the window "
+               "packs the documents that follow), instead of every seq_len-token window.")
+
+
+@dataclass
 class DataConfig:
     seq_len: int = option(256, "Tokens per sequence.")
     batch_size: int = option(8, "Global batch size in sequences (all devices together).")
@@ -143,6 +169,11 @@ class DataConfig:
         None, "Token that ends a document in a token file; null takes its sidecar's "
               "(<file>.json). A raw token file with neither is one endless document. Text "
               "sources use their tokenizer's end of document.")
+    sources: list[SourceConfig] = option(
+        [], "A mixture in place of data.source: a list of {path, weight, min_doc_tokens, "
+            "max_doc_tokens, start_at_document}, keys below; each row of a batch comes from "
+            "one source, drawn with probability weight / sum of weights. Leave data.source "
+            "unset with it. The sources must share one tokenizer.")
 
 
 @dataclass
@@ -316,11 +347,15 @@ class Recipe:
         raw = dataclasses.asdict(self)
         if self.model.hf_dir is not None:
             del raw["model"]["preset"]
+        # Only the data key in use: both is an error, and without a mixture recipe.yaml
+        # stays what it was before data.sources existed (resume compares it).
+        del raw["data"]["source" if self.data.sources else "sources"]
         return raw
 
     def for_evaluation(self) -> "Recipe":
         """The recipe as evaluation reads data: eval.source and eval.seq_len in place of
         data's."""
         data = dataclasses.replace(self.data, source=self.eval.source or self.data.source,
+                                   sources=[] if self.eval.source else self.data.sources,
                                    seq_len=self.eval.seq_len or self.data.seq_len)
         return dataclasses.replace(self, data=data)

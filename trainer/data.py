@@ -7,7 +7,8 @@ The answer depends only on (config, seed, index, row), never on what was read be
 * each process of a multi-host job can read just its own rows (`rows=`) and still agree
   with every other process about the global batch.
 
-Three kinds of source, chosen by `DataConfig.source`:
+Three kinds of source, chosen by `DataConfig.source` (or a weighted mixture of the file
+kinds, `DataConfig.sources`: trainer/mixture.py):
 
 * "synthetic": a copy task (the second half of each row repeats the first half).
 * a token file (.npy or raw .bin): one stream of concatenated documents.
@@ -136,17 +137,19 @@ class WindowedStreamSource(DataSource):
 
     def __init__(self, tokens: np.ndarray, *, name: str, eos_id: int | None,
                  cfg: DataConfig, vocab: int, seed: int, holdout_stride: int = 0,
-                 split: str = "train"):
+                 split: str = "train", window_starts: np.ndarray | None = None):
         super().__init__(cfg, vocab=vocab, seed=seed)
         self.tokens = tokens  # 1-D, may be a memmap: only the windows read get loaded
         self.name = name      # for error messages
         self.eos_id = eos_id
+        # Token offset of each window; None: every seq_len-th (w * seq_len).
+        self.window_starts = window_starts
         window = cfg.seq_len + 1
         if len(tokens) < window:
             raise DataError(
                 f"{name}: has {len(tokens)} tokens, fewer than seq_len + 1 = {window} needed "
                 f"for one training window; use more data or a smaller data.seq_len")
-        windows = (len(tokens) - 1) // cfg.seq_len
+        windows = (len(tokens) - 1) // cfg.seq_len if window_starts is None else len(window_starts)
         self.stride = holdout_stride
         held_out = -(-windows // holdout_stride) if holdout_stride else 0
         self.held_out_split = split == "eval" and held_out > 0
@@ -158,8 +161,11 @@ class WindowedStreamSource(DataSource):
         self._epoch_orders: dict[int, np.ndarray] = {}
 
     def _window(self, index: int, row: int) -> np.ndarray:
-        sample = index * self.cfg.batch_size + row
-        return self._read_window(self._window_of_sample(sample))
+        return self.sample(index * self.cfg.batch_size + row)
+
+    def sample(self, number: int) -> np.ndarray:
+        """The seq_len + 1 tokens of sample `number` of the run."""
+        return self._read_window(self._window_of_sample(number))
 
     def _window_of_sample(self, sample: int) -> int:
         epoch, slot = divmod(sample, self.n_windows)
@@ -179,8 +185,21 @@ class WindowedStreamSource(DataSource):
             self._epoch_orders[epoch] = rng.permutation(self.n_windows)
         return self._epoch_orders[epoch]
 
+    def window_start(self, window_id):
+        """Token offset of window `window_id` (an int or an array of them)."""
+        if self.window_starts is None:
+            return window_id * self.cfg.seq_len
+        return self.window_starts[window_id]
+
+    def split_window_ids(self) -> np.ndarray:
+        """Every window this split reads once per epoch."""
+        if self.held_out_split:
+            return np.arange(self.n_windows) * self.stride
+        kept = np.arange(self.n_windows)
+        return kept + kept // (self.stride - 1) + 1 if self.stride else kept
+
     def _read_window(self, window_id: int) -> np.ndarray:
-        start = window_id * self.cfg.seq_len
+        start = int(self.window_start(window_id))
         # int64 so that uint32 ids above 2**31 are seen as too large, not wrapped negative.
         window = np.asarray(self.tokens[start:start + self.cfg.seq_len + 1], dtype=np.int64)
         self._check_vocab(window, start)
@@ -247,26 +266,41 @@ def make_source(cfg: DataConfig, *, vocab: int, seed: int, split: str = "train",
     `holdout` (eval.holdout) keeps every round(1/holdout)-th window of a file out of the
     "train" split; the "eval" split reads those. Without a holdout, and for synthetic data,
     the "eval" split draws with another seed: other sequences, or another window order."""
-    if split == "eval" and not (holdout and cfg.source != "synthetic"):
+    if split == "eval" and not (holdout and (cfg.sources or cfg.source != "synthetic")):
         seed += EVAL_SEED_OFFSET
+    if cfg.sources:
+        from .mixture import make_mixture  # mixture builds on this module
+
+        return make_mixture(cfg, vocab=vocab, seed=seed, split=split,
+                            holdout_stride=holdout_stride(holdout))
     if cfg.source == "synthetic":
         if vocab < 2:
             raise DataError(f"synthetic: needs model.vocab >= 2 (ids 1..vocab-1), got {vocab}")
         return SyntheticCopySource(cfg, vocab=vocab, seed=seed)
 
     path = Path(cfg.source)
+    tokens, eos_id = open_stream(path, cfg, vocab, key="data.source")
+    return WindowedStreamSource(tokens, name=str(path), eos_id=eos_id, cfg=cfg, vocab=vocab,
+                                seed=seed, holdout_stride=holdout_stride(holdout), split=split)
+
+
+def holdout_stride(holdout: float) -> int:
+    """eval.holdout as the stride of held-out windows (0: none held out)."""
+    return round(1 / holdout) if holdout else 0
+
+
+def open_stream(path: Path, cfg: DataConfig, vocab: int, *,
+                key: str) -> tuple[np.ndarray, int | None]:
+    """The token stream of a token file or text source and the id that ends its documents;
+    `key` is the recipe key that named `path`, for the error."""
+    synthetic = "'synthetic', " if key == "data.source" else ""  # a mixture reads files
     if not path.exists():
         raise DataError(
-            f"{path}: no such file or folder (looked for {path.absolute()}); set data.source "
-            f"to 'synthetic', a .bin/.npy token file, or a text file / folder of .txt files")
-
+            f"{path}: no such file or folder (looked for {path.absolute()}); set {key} "
+            f"to {synthetic}a .bin/.npy token file, or a text file / folder of .txt files")
     if path.suffix in (".npy", ".bin"):
-        tokens, eos_id = _open_token_file(path, cfg, vocab)
-    else:
-        tokens, eos_id = _open_text(path, cfg.tokenizer, vocab)
-    return WindowedStreamSource(tokens, name=str(path), eos_id=eos_id, cfg=cfg, vocab=vocab,
-                                seed=seed, holdout_stride=round(1 / holdout) if holdout else 0,
-                                split=split)
+        return _open_token_file(path, cfg, vocab)
+    return _open_text(path, cfg.tokenizer, vocab)
 
 
 def _open_token_file(path: Path, cfg: DataConfig, vocab: int) -> tuple[np.ndarray, int | None]:

@@ -26,6 +26,7 @@ from lctrain.recipes import Recipe, RecipeError, check_against_devices
 
 from .checkpoint import Checkpointer
 from .data import Batch, DataSource, make_source
+from .mixture import MixtureSource, long_token_share, tokens_per_source
 from .failures import DoesNotFit, RunFailure, is_out_of_memory, out_of_device_memory
 from .metrics import MetricsWriter, peak_flops, training_flops_per_token
 from .model import count_parameters
@@ -201,6 +202,11 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
         return []
     if rerun_note:
         console.print(rerun_note, markup=False, soft_wrap=True)
+    if isinstance(source, MixtureSource):
+        seq_len = recipe.data.seq_len
+        console.print(f"data: {len(source.components)} sources; "
+                      f"{long_token_share(source, seq_len):.1%} of the tokens lie in "
+                      f"documents longer than data.seq_len ({seq_len:,})", markup=False)
     order = strategy.sequence_order(recipe.data.seq_len)
     writer = MetricsWriter(run_dir, is_main, console)
     console.print(f"{describe_devices(mesh, recipe.runtime.cpu_devices)} | "
@@ -291,6 +297,7 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
     throughput = Throughput(recipe, mesh)
     records = []
     step = first_step = int(state.step)
+    logged_batch = next_batch
     with StopSignal() as stop, Bar(console, "train", total, step, summary=False) as bar:
         while step < total:
             state, metrics = train_step(state, device_batch(source, next_batch, order, mesh))
@@ -308,6 +315,8 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
                 record = {k: float(v) for k, v in jax.device_get(metrics).items()
                           if k != "finite"}
                 record.update(throughput.report())
+                record.update(_mixture_tokens(source, logged_batch, next_batch))
+                logged_batch = next_batch
                 writer.write(step, total, record)
                 records.append({"step": step, **record})
                 figures = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s"
@@ -323,6 +332,15 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
                 console.print(f"SIGTERM: checkpoint saved at step {step}; exiting")
                 break
     return records
+
+
+def _mixture_tokens(source, start: int, stop: int) -> dict[str, int]:
+    """tokens/<source>: input tokens each source of a data mixture gave batches
+    start..stop-1 (metrics.jsonl and TensorBoard); nothing for one source."""
+    if not isinstance(source, MixtureSource):
+        return {}
+    return {f"tokens/{path}": count
+            for path, count in tokens_per_source(source, start, stop).items()}
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, step: int, next_batch: int,
