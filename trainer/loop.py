@@ -100,6 +100,7 @@ class CompiledRun(NamedTuple):
     strategy: ContextStrategy
     trainable: Trainable
     train_step: jax.stages.Compiled
+    report: tuple[str, ...] = ()  # what compiling said: fall-backs, the compiled figure
 
 
 def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
@@ -133,12 +134,17 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
         need.seconds = time.perf_counter() - start
         return CompiledRun(mesh, context_strategy, trainable, compiled), need
 
-    say = ((lambda line: console.print(line, soft_wrap=True, markup=False)) if console
-           else (lambda line: None))
-    found = first_that_fits(candidates, compile_candidate, memory_limit, say)
+    report: list[str] = []
+    found = first_that_fits(candidates, compile_candidate, memory_limit, report.append)
     if isinstance(found, list):
+        _print_lines(console, report)
         raise DoesNotFit(out_of_device_memory(none_fits(found, memory_limit)))
-    return found[0]
+    return found[0]._replace(report=tuple(report))
+
+
+def _print_lines(console: Console | None, lines) -> None:
+    for line in lines if console else ():
+        console.print(line, soft_wrap=True, markup=False)
 
 
 def compiled_need(name: str, compiled: jax.stages.Compiled) -> CompiledNeed:
@@ -181,7 +187,8 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     is_main = jax.process_index() == 0
     console = Console(quiet=True) if not is_main else console or Console()
     rerun_note = check_rerun(recipe, run_dir)
-    mesh, strategy, trainable, train_step = compile_run(recipe, devices, console, memory_limit)
+    mesh, strategy, trainable, train_step, compile_report = compile_run(recipe, devices, console,
+                                                                        memory_limit)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed,
                          holdout=recipe.eval.data_holdout)
     evaluator = None
@@ -214,6 +221,7 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
                   f"mesh {dict(mesh.shape)} | strategy {strategy.name} | "
                   f"attention {recipe.attention.impl} | remat {recipe.remat.policy} | "
                   f"run dir {run_dir}", soft_wrap=True, markup=False)
+    _print_lines(console, compile_report)
     if recipe.train.run_warmup_steps < recipe.train.warmup_steps:
         console.print(f"note: train.warmup_steps {recipe.train.warmup_steps} is not shorter "
                       f"than train.steps {recipe.train.steps}: warming up over "
