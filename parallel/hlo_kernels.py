@@ -56,10 +56,8 @@ def relayouts_next_to_kernels(hlo_text: str, names: tuple[str, ...],
             for index, operand in enumerate(call.operands):
                 producer = _producer(by_name, operand)
                 if producer and _is_large_relayout(producer, computations, min_bytes):
-                    source = _producer(by_name, producer.operands[0]) if producer.operands \
-                        else None
                     found.append(Relayout(call.name, "operand", index, producer.name,
-                                          producer.shape, _is_all_to_all(source)))
+                                          producer.shape, _from_all_to_all(producer, by_name)))
             for index, result in _results(call, users):
                 for user in users.get(result.name, []):
                     if _is_large_relayout(user, computations, min_bytes):
@@ -101,6 +99,17 @@ def _results(call: Instruction, users: dict[str, list[Instruction]]
 
 def _is_all_to_all(instruction: Instruction | None) -> bool:
     return instruction is not None and instruction.opcode.startswith("all-to-all")
+
+
+def _from_all_to_all(relayout: Instruction, by_name: dict[str, Instruction],
+                     depth: int = 3) -> bool:
+    """The relayout's input is an all-to-all's result, read directly or through a few
+    fusions (e.g. splash's scaling of q)."""
+    sources = [_producer(by_name, name) for name in relayout.operands]
+    return any(_is_all_to_all(source) or (depth and source is not None
+                                          and source.opcode == "fusion"
+                                          and _from_all_to_all(source, by_name, depth - 1))
+               for source in sources)
 
 
 def _feeds_all_to_all(instruction: Instruction, users: dict[str, list[Instruction]]) -> bool:
