@@ -51,17 +51,18 @@ def test_sigterm_saves_at_the_step_reached_and_resume_continues(tmp_path):
 
 
 def test_nonfinite_step_stops_before_saving(tmp_path, monkeypatch):
-    real_make_train_step = loop.make_train_step
+    """Step 3 is not finite: its flag is read a step late, but before step 4's checkpoint."""
+    real_compile_run = loop.compile_run
 
-    def poisoned(*args):
-        step_fn = real_make_train_step(*args)
+    def poisoned(*args, **kwargs):
+        run = real_compile_run(*args, **kwargs)
 
         def step(state, batch):
-            state, metrics = step_fn(state, batch)
+            state, metrics = run.train_step(state, batch)
             return state, {**metrics, "finite": metrics["finite"] & (state.step != 3)}
-        return step
+        return run._replace(train_step=step)
 
-    monkeypatch.setattr(loop, "make_train_step", poisoned)
+    monkeypatch.setattr(loop, "compile_run", poisoned)
     recipe = load_recipe(None, ["train.steps=10", "train.warmup_steps=1", "checkpoint.every=2",
                                 "data.seq_len=64"])
     with pytest.raises(loop.NonFiniteLoss, match=r"^step 3: .*latest checkpoint: step 2"):

@@ -66,10 +66,14 @@ class Checkpointer:
                 f"({type(err).__name__}: {first_line}); delete that folder to resume from the "
                 f"checkpoint before it, or use a new run dir") from err
 
+    def due(self, step: int, force: bool = False) -> bool:
+        """Whether `save` would save `step`: on the interval (or forced), not saved yet."""
+        on_interval = self.every > 0 and step % self.every == 0
+        return (on_interval or force) and step not in self.manager.all_steps()
+
     def save(self, state: TrainState, step: int, next_batch: int, *, force: bool = False) -> bool:
         """Saves when `step` is on the interval (or forced); returns whether it saved."""
-        due = self.every > 0 and step % self.every == 0
-        if not (due or force) or step in self.manager.all_steps():
+        if not self.due(step, force):
             return False
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"next_batch": next_batch})))

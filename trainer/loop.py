@@ -30,6 +30,7 @@ from .mixture import MixtureSource, long_token_share, tokens_per_source
 from .failures import DoesNotFit, RunFailure, is_out_of_memory, out_of_device_memory
 from .metrics import MetricsWriter, peak_flops, training_flops_per_token
 from .model import count_parameters
+from .pipeline import LaggedFiniteCheck, Prefetcher
 from .progress import Bar, timed
 from .resume import check_rerun
 from .step import (BATCH_FIELDS, Trainable, TrainState, build_trainable, batch_shardings,
@@ -306,18 +307,21 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
     records = []
     step = first_step = int(state.step)
     logged_batch = next_batch
-    with StopSignal() as stop, Bar(console, "train", total, step, summary=False) as bar:
+    finite = LaggedFiniteCheck(lambda step, metrics: _on_nonfinite(
+        recipe, step, metrics, checkpointer, console))
+    with StopSignal() as stop, Bar(console, "train", total, step, summary=False) as bar, \
+            Prefetcher(lambda index: device_batch(source, index, order, mesh),
+                       next_batch) as batches:
         while step < total:
-            state, metrics = train_step(state, device_batch(source, next_batch, order, mesh))
+            state, metrics = train_step(state, batches.get(next_batch))
             step, next_batch = step + 1, next_batch + 1
             throughput.steps += 1
+            finite.push(step, metrics)
             if step == first_step + 1:
                 jax.block_until_ready(metrics)
                 console.print(f"first step took "
                               f"{time.perf_counter() - throughput.start:.1f} s")
                 throughput.restart()
-            if not bool(metrics["finite"]):
-                _on_nonfinite(recipe, step, metrics, checkpointer, console)
             figures = None
             if step % recipe.runtime.log_every == 0 or step == total:
                 record = {k: float(v) for k, v in jax.device_get(metrics).items()
@@ -335,10 +339,14 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
                 writer.write_eval(step, evaluator(state.params, f"step {step}", console))
                 throughput.restart()
             stopping = stop.agreed()
-            _save(checkpointer, state, step, next_batch, step == total or stopping, console)
+            last = step == total or stopping
+            if checkpointer.due(step, last):
+                finite.flush()  # a non-finite state is never saved
+            _save(checkpointer, state, step, next_batch, last, console)
             if stopping:
                 console.print(f"SIGTERM: checkpoint saved at step {step}; exiting")
                 break
+        finite.flush()
     return records
 
 

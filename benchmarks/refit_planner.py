@@ -1,0 +1,151 @@
+"""The planner's per-chip HBM estimate against the compiled figures of
+benchmarks/data/planner_grid.jsonl (benchmarks/planner_grid.py), and a refit of its
+CALIBRATION (parallel/planner/memory.py) on the "fit" grid.
+
+    python benchmarks/refit_planner.py            # table, worst and rms error per grid
+    python benchmarks/refit_planner.py --fit      # + the CALIBRATION that fits the fit grid
+    python benchmarks/refit_planner.py --fit --fit-grid fit --fit-grid small
+
+The error is (estimate - compiled) / compiled. Points XLA refused count with the bytes its
+out-of-memory message says the program needs. The refit changes nothing on disk: it prints
+the proposed dict and the errors before and after, for every grid in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from planner_grid import load_records, recipe_and_mesh, versions  # noqa: E402
+
+from lctrain.parallel import chips, planner  # noqa: E402
+
+def usable(records: list[dict], only_installed: bool = True) -> list[dict]:
+    """Records with a compiled figure, from the installed jax / libtpu unless told not to."""
+    installed = versions()
+    return [r for r in records if r.get("hbm_bytes")
+            and (not only_installed or r["versions"] == installed)]
+
+
+def estimated_hbm(record: dict) -> float:
+    """The planner's peak HBM per device for the record's recipe on its topology."""
+    recipe, sizes = recipe_and_mesh(record["topology"], record["overrides"])
+    chip = chips.chip_named(record["topology"]).per_device()
+    return planner.estimate(recipe, sizes, chip, record["strategy"], record["ulysses"]).hbm_bytes
+
+
+def relative_error(record: dict) -> float:
+    return estimated_hbm(record) / record["hbm_bytes"] - 1
+
+
+@contextlib.contextmanager
+def calibrated(values: dict[str, float]):
+    """The planner's CALIBRATION with `values` in place (the memory terms read it at call
+    time), restored afterwards."""
+    saved = dict(planner.CALIBRATION)
+    planner.CALIBRATION.update(values)
+    try:
+        yield
+    finally:
+        planner.CALIBRATION.clear()
+        planner.CALIBRATION.update(saved)
+
+
+def summary(errors: list[float]) -> tuple[float, float]:
+    """(worst |error|, rms error)."""
+    return max(map(abs, errors)), math.sqrt(sum(e * e for e in errors) / len(errors))
+
+
+def label(record: dict) -> str:
+    strategy = (f"usp(u={record['ulysses']})" if record["strategy"] == "usp"
+                else record["strategy"])
+    model = record.get("model", "llama3.1-8b")
+    return (f"{'' if model == 'llama3.1-8b' else model + ' '}{record['topology']} "
+            f"{record['seq_len'] // 1024}K {record['remat']} {strategy}")
+
+
+def print_table(records: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'grid':<8} {'point':<40} {'compiled GB':>11} {'estimate GB':>11} {'error':>8}")
+    for grid in sorted({r["grid"] for r in records}):
+        errors = []
+        for r in (r for r in records if r["grid"] == grid):
+            estimate = estimated_hbm(r)
+            errors.append(estimate / r["hbm_bytes"] - 1)
+            refused = "" if r["fits"] else " (does not fit)"
+            print(f"{grid:<8} {label(r):<40} {r['hbm_bytes'] / 1e9:>11.2f} "
+                  f"{estimate / 1e9:>11.2f} {100 * errors[-1]:>+7.1f}%{refused}")
+        worst, rms = summary(errors)
+        print(f"{grid:<8} {len(errors)} points: worst {100 * worst:.1f}%, rms {100 * rms:.1f}%")
+
+
+def print_outside(records: list[dict], tolerance: float = 0.15) -> None:
+    """The points beyond `tolerance`, as tests/test_planner_grid.py's OUTSIDE lists them."""
+    print(f"\noutside {tolerance:.0%} (tests/test_planner_grid.py OUTSIDE):")
+    for r in records:
+        if abs(error := relative_error(r)) > tolerance:
+            print(f'    "{label(r)}": {error:+.3f},')
+
+
+def terms_that_matter(records: list[dict]) -> list[str]:
+    """The CALIBRATION entries that move some record's estimate."""
+    base = [estimated_hbm(r) for r in records]
+    moving = []
+    for name, value in planner.CALIBRATION.items():
+        with calibrated({name: value + 1.0}):
+            if any(abs(estimated_hbm(r) - b) > 1e-6 * b for r, b in zip(records, base)):
+                moving.append(name)
+    return moving
+
+
+def refit(records: list[dict]) -> dict[str, float]:
+    """Nonnegative CALIBRATION values minimising worst + rms relative error over `records`
+    (the peak is a max of two phases, so not linear in them: a derivative-free search)."""
+    from scipy.optimize import minimize
+    names = terms_that_matter(records)
+    start = np.array([planner.CALIBRATION[n] for n in names])
+
+    def objective(values: np.ndarray) -> float:
+        with calibrated(dict(zip(names, np.abs(values)))):
+            worst, rms = summary([relative_error(r) for r in records])
+        return worst + rms
+
+    best = minimize(objective, start, method="Powell", options={"xtol": 1e-3, "ftol": 1e-5})
+    return {n: round(float(abs(v)), 3) for n, v in zip(names, best.x)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fit", action="store_true",
+                        help="refit CALIBRATION on the fit grid and show its errors")
+    parser.add_argument("--fit-grid", action="append",
+                        help="grids the refit minimises the error on (repeat; default: fit; "
+                             "add small to keep tests/test_planner.py's grid in bounds)")
+    parser.add_argument("--any-version", action="store_true",
+                        help="also use points compiled with other jax / libtpu versions")
+    args = parser.parse_args()
+    records = usable(load_records(), only_installed=not args.any_version)
+    if not records:
+        sys.exit("no compiled points for the installed jax / libtpu: run "
+                 "benchmarks/planner_grid.py first")
+    print_table(records, "CALIBRATION today")
+    print_outside(records)
+    if not args.fit:
+        return
+    fit_grids = args.fit_grid or ["fit"]
+    proposal = refit([r for r in records if r["grid"] in fit_grids])
+    print(f"\nproposed CALIBRATION (the entries {', '.join(fit_grids)} moves):")
+    for name, value in proposal.items():
+        print(f"    {name!r}: {value},   # today {planner.CALIBRATION[name]}")
+    with calibrated(proposal):
+        print_table(records, "proposed CALIBRATION")
+
+
+if __name__ == "__main__":
+    main()
