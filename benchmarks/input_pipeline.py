@@ -13,6 +13,7 @@ the two); in the loop it adds to it.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax: no libtpu start-up on a CPU host
 
 
 class InTheLoop:

@@ -60,6 +60,9 @@ def render(result: Plan, console, title: str = "") -> None:
     if result.choice is not None:
         console.print(f"recommended: [bold]{result.choice.name}[/] - {escape(result.reason)}",
                       highlight=False, soft_wrap=True)
+    if result.note and not compiled:
+        console.print(f"[yellow]note:[/] {escape(result.note)}", highlight=False,
+                      soft_wrap=True)
 
 
 def render_max_seq(longest: dict[str, dict[str, int]], console) -> None:

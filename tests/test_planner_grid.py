@@ -74,3 +74,17 @@ def test_stored_figure_is_what_the_compiler_says():
     point = grid.point_of(cheapest)
     again = grid.compile_point(point, aot.topology_devices(point.topology))
     assert again["hbm_bytes"] == pytest.approx(cheapest["hbm_bytes"], rel=RECOMPILE_TOLERANCE)
+
+
+def test_the_plan_warns_exactly_where_the_estimate_misses():
+    """`lctrain plan` prints a note where the estimate is known to be low
+    (parallel/planner/accuracy.py): every stored point it does not warn about lies within
+    the tolerance, and it warns about every point outside."""
+    from lctrain.parallel.planner.accuracy import estimate_note
+
+    if not RECORDS:
+        pytest.skip("no stored point compiled with the installed jax / libtpu")
+    for record in RECORDS:
+        recipe, sizes = grid.recipe_and_mesh(record["topology"], record["overrides"])
+        within = abs(refit.relative_error(record)) <= TOLERANCE
+        assert within or estimate_note(recipe, sizes) is not None, refit.label(record)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import NotOnThisMesh
+from lctrain.parallel.planner.accuracy import estimate_note
 from lctrain.parallel.planner.estimate import estimate, recipe_for_strategy
 from lctrain.parallel.planner.results import Plan, StrategyPlan
 from lctrain.parallel.strategy import check_kernel_layout
@@ -21,7 +22,8 @@ def plan(recipe: Recipe, chip: Chip, axis_sizes: dict[str, int],
     options, skipped = candidates(recipe, axis_sizes, platform)
     plans = [estimate(recipe, axis_sizes, chip, s, u, platform) for s, u in options]
     choice, reason = recommend(plans)
-    return Plan(chip, axis_sizes, plans, skipped, choice, reason)
+    return Plan(chip, axis_sizes, plans, skipped, choice, reason,
+                estimate_note(recipe, axis_sizes))
 
 
 def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:

@@ -140,6 +140,7 @@ class Plan:
     skipped: dict[str, str]                       # strategy -> why it cannot run here
     choice: StrategyPlan | None
     reason: str
+    note: str | None = None                       # where the estimate is known to be off
 
     def as_json(self) -> dict:
         return {
@@ -147,6 +148,7 @@ class Plan:
             "host_bytes_per_device": self.chip.host_bytes, "mesh": self.axis_sizes,
             "strategies": [p.as_json() for p in self.plans],
             "not_applicable": self.skipped,
+            "estimate_note": self.note,
             "recommendation": None if self.choice is None else {
                 "strategy": self.choice.strategy, "ulysses": self.choice.ulysses,
                 "reason": self.reason},
