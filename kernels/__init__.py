@@ -28,16 +28,19 @@ class Kernel(NamedTuple):
     final out/lse of its rows (what ring attention's custom backward needs).
     `layout`: the one it computes in (the other costs a relayout of q, k, v, out per call).
     `takes_runs`: it classifies whole blocks and takes `run_tokens` (the length of the
-    contiguous runs of positions) to keep every block inside one run."""
+    contiguous runs of positions) to keep every block inside one run. `sums_dq`: its
+    block backward adds dq into a caller's f32 sum itself (`dq_sum`)."""
     forward: Callable
     block_backward: Callable
     layout: str
     takes_runs: bool = False
+    sums_dq: bool = False
 
 
 _IMPLS = {
     "xla": Kernel(xla.flash_attention, xla.flash_attention_backward, TOKENS_MAJOR),
-    "pallas": Kernel(pallas.flash_attention, pallas.flash_attention_backward, HEADS_MAJOR),
+    "pallas": Kernel(pallas.flash_attention, pallas.flash_attention_backward, HEADS_MAJOR,
+                     sums_dq=True),
     "splash": Kernel(splash.flash_attention, splash.flash_attention_backward, HEADS_MAJOR,
                      takes_runs=True),
 }
@@ -161,15 +164,22 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
 def attention_block_backward(q, k, v, out, lse, dout, *, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, causal=True, impl="xla",
                              block_q=512, block_kv=512, platform=None, run_tokens=None,
-                             layout=TOKENS_MAJOR):
+                             layout=TOKENS_MAJOR, dq_sum=None):
     """(dq, dk, dv) of attention between q and one kv block, where `out` [b, sq, hq, d] and
     `lse` [b, hq, sq] are the rows' results over ALL kv blocks (merged by the caller).
-    q, k, v, out, dout and the results are in `layout`."""
+    q, k, v, out, dout and the results are in `layout`. With `dq_sum` (f32, q's shape)
+    dq is dq_sum plus this block's dq, in f32: what a caller summing dq over kv blocks
+    (ring attention) keeps, without a second q-sized f32 buffer where the kernel adds
+    into it itself."""
     kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout)
-    return kernel.block_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
-                                 q_segment_ids, kv_segment_ids, causal=causal,
-                                 block_q=block_q, block_kv=block_kv, platform=platform,
-                                 layout=layout, **_runs(kernel, run_tokens))
+    summed = {"dq_sum": dq_sum} if kernel.sums_dq and dq_sum is not None else {}
+    dq, dk, dv = kernel.block_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
+                                       q_segment_ids, kv_segment_ids, causal=causal,
+                                       block_q=block_q, block_kv=block_kv, platform=platform,
+                                       layout=layout, **summed, **_runs(kernel, run_tokens))
+    if dq_sum is not None and not summed:
+        dq = dq_sum + dq.astype(jnp.float32)
+    return dq, dk, dv
 
 
 __all__ = ["HEADS_MAJOR", "IMPLS", "TOKENS_MAJOR", "attention", "attention_block_backward",

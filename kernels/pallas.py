@@ -236,7 +236,10 @@ def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, bloc
 
 
 def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, causal,
-                     block_q, block_kv, interpret, layout):
+                     block_q, block_kv, interpret, layout, dq_sum=None):
+    """(dq, dk, dv); with `dq_sum` (f32, like q) dq is dq_sum plus this call's dq, added
+    in the kernel's own f32 buffer (no second q-sized f32 buffer: what ring attention
+    sums over its steps)."""
     q, k, v, out, dout = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v, out, dout))
     pb = _problem(q, k, block_q, block_kv)
     prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal)
@@ -271,8 +274,9 @@ def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg
         compiler_params=_compiler_params(2, 3),
         input_output_aliases={N_PREFETCH + 10: 0},
         interpret=interpret, name="lctrain_flash_backward",
-    )(*operands, *_vary_alike(jnp.zeros(dq_shape, _F32), q)[:1])
-    dq = (pb.scale * dq).astype(q.dtype)
+    )(*operands, _vary_alike(jnp.zeros(dq_shape, _F32) if dq_sum is None
+                             else relayout(dq_sum, layout, HEADS_MAJOR), q)[0])
+    dq = dq if dq_sum is not None else dq.astype(q.dtype)
     return tuple(relayout(x, HEADS_MAJOR, layout) for x in (dq, dk, dv))
 
 
@@ -329,13 +333,14 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
 
 def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
-                             block_kv=512, platform=None, layout=TOKENS_MAJOR):
+                             block_kv=512, platform=None, layout=TOKENS_MAJOR, dq_sum=None):
     """(dq, dk, dv) of attention between q and one kv block, given the rows' FINAL out
     and lse (merged over all kv blocks by the caller, as ring attention does): then
-    exp(s - lse) is this block's share of the global softmax."""
+    exp(s - lse) is this block's share of the global softmax. With `dq_sum` (f32), dq is
+    dq_sum + this block's dq, in f32 (the kernel adds into it)."""
     interpret = (platform or jax.default_backend()) == "cpu"
     blocks = _blocks(q, k, block_q, block_kv, interpret, layout)
     q, k, v, out, lse, dout, *ids = _vary_alike(q, k, v, out, lse, dout, q_positions,
                                                 kv_positions, q_segment_ids, kv_segment_ids)
     return _pallas_backward(q, k, v, out, lse, dout, jnp.zeros_like(lse), *ids,
-                            bool(causal), *blocks, interpret, layout)
+                            bool(causal), *blocks, interpret, layout, dq_sum)

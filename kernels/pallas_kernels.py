@@ -116,8 +116,8 @@ def forward_kernel(*refs, grid, causal, scale):
 def backward_kernel(*refs, grid, causal, scale, block_q):
     """dk, dv and dq of one (kv block, group member, q slot) step from one recomputation
     of the scores, in the transposed orientation pT = exp(k q^T * scale - lse_row)
-    ([bk, bq]): dv += pT do, dk += dsT q, dq[q block] += dsT^T k (dq's scale is the
-    caller's). dq sums over the kv blocks of an outer grid axis, so it cannot stay
+    ([bk, bq]): dv += pT do, dk += dsT q, dq[q block] += scale * dsT^T k (into whatever
+    the dq buffer held: zeros, or a caller's running sum). dq sums over the kv blocks of an outer grid axis, so it cannot stay
     in VMEM: it is read from and written back to an f32 HBM buffer by manual DMA, and
     a step waits for the previous write before it reads (a block may recur at once)."""
     pf = Prefetch(*refs[:N_PREFETCH])
@@ -158,7 +158,7 @@ def backward_kernel(*refs, grid, causal, scale, block_q):
         ds_t = (p_t * (_dot_t(v_ref[...], dout) - delta_ref[...])).astype(q.dtype)
         dk_acc_ref[...] += _dot(ds_t, q)
         dq_read.wait()
-        dq_buf[...] += _dot_tn(ds_t, k)
+        dq_buf[...] += scale * _dot_tn(ds_t, k)
         dq_write.start()
         writing[0] = 1
 

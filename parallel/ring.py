@@ -200,12 +200,11 @@ def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
     q, positions, segment_ids = _tied((q, positions, segment_ids))
 
     def attend(dq, k, v, ids):
-        block_dq, block_dk, block_dv = kernels.attention_block_backward(
+        dq, block_dk, block_dv = kernels.attention_block_backward(
             q, k, v, out, lse, dout, q_positions=positions, kv_positions=ids[0],
             q_segment_ids=segment_ids, kv_segment_ids=ids[1], causal=True, layout=layout,
-            **options)
-        return dq + block_dq.astype(jnp.float32), jnp.stack([block_dk, block_dv]).astype(
-            jnp.float32)
+            dq_sum=dq, **options)
+        return dq, jnp.stack([block_dk, block_dv]).astype(jnp.float32)
 
     def skip(dq, k, v, ids):
         return dq, jnp.zeros((2, *k.shape), jnp.float32)
