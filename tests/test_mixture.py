@@ -340,8 +340,7 @@ def test_a_run_logs_tokens_per_source_and_the_long_share(tmp_path):
     b = write_docs(tmp_path / "b.npy", random_lengths(1), 60)
     sets = [sources_override({"path": a, "weight": 3}, {"path": b, "weight": 1}),
             "data.eos_id=0", "data.seq_len=32", "data.batch_size=8", "train.steps=3",
-            "runtime.log_every=1", "model.vocab=128", "model.layers=1", "mesh.data=1",
-            "runtime.cpu_devices=1"]
+            "runtime.log_every=1", "model.vocab=128", "model.layers=1"]
     run_dir = tmp_path / "run"
     result = CliRunner().invoke(app, ["run", *[x for s in sets for x in ("--set", s)],
                                       "--run-dir", str(run_dir)])
