@@ -142,8 +142,7 @@ def print_relayouts(topology: str) -> None:
     from lctrain.parallel.hlo_kernels import kernel_calls, relayouts_next_to_kernels
     from lctrain.recipes import load_recipe
 
-    names = {"pallas": ("lctrain_flash_forward", "lctrain_flash_backward"),
-             "splash": ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv")}
+    names = {"pallas": kernels.pallas.MOSAIC_NAMES, "splash": kernels.splash.MOSAIC_NAMES}
     devices = aot.topology_devices(topology)
     print(f"\nrelayouts beside the kernel calls, train step compiled for {topology}")
     print(f"{'strategy':<12}{'kernel':<8}{'calls':>6}{'relayouts':>11}")

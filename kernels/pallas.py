@@ -65,6 +65,9 @@ from .residuals import named_results
 
 _F32 = jnp.float32
 _LANES = 128  # TPU vreg lanes: blocks along the sequence are multiples of this
+# The forward's and the backward's pallas_call names, which their Mosaic calls carry in
+# compiled HLO (parallel/hlo_kernels.py looks for them).
+MOSAIC_NAMES = ("lctrain_flash_forward", "lctrain_flash_backward")
 
 
 # ----------------------------------------------------------- block sizes ----
@@ -230,7 +233,7 @@ def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, bloc
         out_shape=[_result((pb.b, pb.hq, pb.sq, pb.d), q.dtype, q),
                    _result((pb.b, pb.hq, 1, pb.sq), _F32, q)],
         compiler_params=_compiler_params(3, 1),
-        interpret=interpret, name="lctrain_flash_forward",
+        interpret=interpret, name=MOSAIC_NAMES[0],
     )(*prefetch, q, k, v, *rows)
     return relayout(out, HEADS_MAJOR, layout), lse[:, :, 0, :]
 
@@ -273,7 +276,7 @@ def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg
         # dq sums over kv blocks: only batch and kv heads may be split across cores.
         compiler_params=_compiler_params(2, 3),
         input_output_aliases={N_PREFETCH + 10: 0},
-        interpret=interpret, name="lctrain_flash_backward",
+        interpret=interpret, name=MOSAIC_NAMES[1],
     )(*operands, _vary_alike(jnp.zeros(dq_shape, _F32) if dq_sum is None
                              else relayout(dq_sum, layout, HEADS_MAJOR), q)[0])
     dq = dq if dq_sum is not None else dq.astype(q.dtype)

@@ -54,6 +54,8 @@ _LANES = splash.NUM_LANES  # splash tiles the sequence in multiples of 128, even
 _MASK_VALUE = splash.DEFAULT_MASK_VALUE
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2
 _F32 = jnp.float32
+# How splash's forward, dq and dk/dv Mosaic calls are named in compiled HLO (prefixes).
+MOSAIC_NAMES = ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv")
 # The block map lives in scalar memory (SMEM, 1 MiB on v5p) next to the kernel's own
 # scalars: at most this many (q block, kv block) entries, 4 bytes each (int16 fetch
 # order, int8 kind, int8 pattern); 2**18 overflowed a v5p compile. Longer kv sequences get

@@ -51,18 +51,11 @@ def topology_devices(name: str, slices: int = 1) -> list:
 # ------------------------------------------------------------------ compile ----
 
 def compile_train_step(recipe: Recipe, devices) -> Any:
-    """The compiled train step (jax.stages.Compiled) of `recipe` on `devices`, built as the
-    real run builds it (trainer.loop.mesh_for, make_strategy, build_trainable,
-    make_train_step), lowered with abstract state and batch only."""
-    from lctrain.parallel import make_strategy
-    from lctrain.trainer.loop import mesh_for
-    from lctrain.trainer.step import build_trainable, make_train_step
+    """The compiled train step (jax.stages.Compiled) of `recipe` on `devices`, built and
+    lowered with abstract state and batch as the real run does it (trainer.loop.build_run)."""
+    from lctrain.trainer.loop import build_run
 
-    mesh = mesh_for(recipe, devices)
-    strategy = make_strategy(recipe, mesh)
-    trainable = build_trainable(recipe, mesh)
-    train_step = make_train_step(recipe, trainable, strategy, mesh)
-    return train_step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile()
+    return build_run(recipe, devices).train_step
 
 
 def compile_eval_step(recipe: Recipe, devices) -> Any:

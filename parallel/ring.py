@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from lctrain import kernels
-from lctrain.kernels.layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, tokens_major_shape
+from lctrain.kernels.layout import (HEADS_MAJOR, TOKENS_MAJOR, convert, relayout,
+                                    tokens_major_shape)
 from lctrain.kernels.residuals import named_results
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import AttentionFootprint, Dims, RingTiming, Traffic
@@ -115,9 +116,8 @@ def _merge(out, lse, block_out, block_lse, layout):
     new_lse = jnp.logaddexp(lse, block_lse)
     finite = jnp.where(jnp.isfinite(new_lse), new_lse, 0.0)  # rows with no key at all yet
 
-    def weight(x):  # [b, h, s] -> a factor for every row of out
-        factor = jnp.exp(x - finite)
-        return (factor if layout == HEADS_MAJOR else factor.swapaxes(1, 2))[..., None]
+    def weight(x):  # [b, h, s], laid out as head-major rows -> a factor for every row of out
+        return convert(jnp.exp(x - finite), HEADS_MAJOR, layout)[..., None]
 
     return out * weight(lse) + block_out.astype(jnp.float32) * weight(block_lse), new_lse
 

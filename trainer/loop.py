@@ -120,20 +120,16 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
                                                                  CompiledNeed]:
         recipe.parallel.strategy, recipe.parallel.ulysses = strategy, ulysses
         name = strategy_name(strategy, ulysses)
-        mesh = mesh_for(recipe, devices, console)
-        context_strategy = make_strategy(recipe, mesh)
-        trainable = build_trainable(recipe, mesh)
-        step = make_train_step(recipe, trainable, context_strategy, mesh)
         start = time.perf_counter()
         try:
-            compiled = step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile()
+            run = build_run(recipe, devices, console)
         except Exception as err:  # XLA's TPU compiler refuses a program over HBM
             if not is_out_of_memory(err) or memory_limit is None:
                 raise
             return None, refused_need(name, str(err))
-        need = compiled_need(name, compiled)
+        need = compiled_need(name, run.train_step)
         need.seconds = time.perf_counter() - start
-        return CompiledRun(mesh, context_strategy, trainable, compiled), need
+        return run, need
 
     report: list[str] = []
     found = first_that_fits(candidates, compile_candidate, memory_limit, report.append)
@@ -141,6 +137,18 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
         _print_lines(console, report)
         raise DoesNotFit(out_of_device_memory(none_fits(found, memory_limit)))
     return found[0]._replace(report=tuple(report))
+
+
+def build_run(recipe: Recipe, devices, console: Console | None = None) -> CompiledRun:
+    """The recipe's mesh, strategy and state, and its train step compiled for them (lowered
+    with abstract state and batch): what a run trains with, and what `lctrain plan
+    --compile` measures (parallel/aot.py)."""
+    mesh = mesh_for(recipe, devices, console)
+    strategy = make_strategy(recipe, mesh)
+    trainable = build_trainable(recipe, mesh)
+    step = make_train_step(recipe, trainable, strategy, mesh)
+    compiled = step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile()
+    return CompiledRun(mesh, strategy, trainable, compiled)
 
 
 def _print_lines(console: Console | None, lines) -> None:
