@@ -21,7 +21,7 @@ from lctrain.recipes import RecipeError, load_recipe
 from lctrain.recipes.schema import DataConfig, SourceConfig
 from lctrain.trainer.data import make_source
 from lctrain.trainer.mixture import MixtureSource, long_token_share, tokens_per_source
-from lctrain.trainer.tokenizer import write_sidecar
+from lctrain.trainer.tokenizer import DocumentTokenizer, data_tokenizer, write_sidecar
 
 EOS, BOS = 0, 1
 VOCAB = 128
@@ -355,3 +355,13 @@ def test_a_run_logs_tokens_per_source_and_the_long_share(tmp_path):
                   if k.startswith("tokens/")}
         assert counts == tokens_per_source(source, index, index + 1)
         assert sum(counts.values()) == 8 * 32
+
+
+def test_the_tokenizer_of_a_mixture_is_its_sources(tmp_path, monkeypatch):
+    """Evaluation's needles and the HF export read the tokenizer from the sources' sidecars
+    (data.source is unset under a mixture)."""
+    first, second = two_bin_files(tmp_path, SIDECAR, SIDECAR)
+    recipe = load_recipe(None, [sources_override({"path": first}, {"path": second}),
+                                "data.seq_len=32"])
+    monkeypatch.setattr(DocumentTokenizer, "load", classmethod(lambda cls, path: path))
+    assert data_tokenizer(recipe.data) == SIDECAR["tokenizer"]

@@ -95,7 +95,8 @@ class Evaluator:
         """Share of samples retrieved per (haystack length, needle depth)."""
         lengths, depths = grid(self.recipe)
         accuracy = np.zeros((len(lengths), len(depths)))
-        filler = None if self.recipe.data.source == "synthetic" else self.source
+        data = self.recipe.data
+        filler = self.source if data.sources or data.source != "synthetic" else None
         cells = cell_batches(self.recipe, filler, self.recipe.train.seed)
         with Bar(console, f"{self.recipe.eval.task} ({origin})", accuracy.size) as bar:
             for cell, (_, _, batch) in enumerate(cells):

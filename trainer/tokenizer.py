@@ -192,8 +192,10 @@ def _agree(key: str, recipe_value: Any, sidecar_value: Any, where: str) -> None:
 
 def data_tokenizer(data) -> DocumentTokenizer | None:
     """The tokenizer `data` (a recipe's DataConfig) was made with: data.tokenizer, else its
-    token file's sidecar's; None for synthetic data and the byte tokenizer."""
+    token file's sidecar's (a mixture's first source's: the loader checked that they agree);
+    None for synthetic data and the byte tokenizer."""
     path = data.tokenizer
-    if path is None and Path(data.source).suffix in (".bin", ".npy"):
-        path = (read_sidecar(data.source) or {}).get("tokenizer")
+    token_file = data.sources[0].path if data.sources else data.source
+    if path is None and Path(token_file).suffix in (".bin", ".npy"):
+        path = (read_sidecar(token_file) or {}).get("tokenizer")
     return DocumentTokenizer.load(path) if path else None
