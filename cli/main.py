@@ -38,17 +38,31 @@ def run(
     run_dir: Optional[Path] = typer.Option(
         None, help="Checkpoints, metrics and TensorBoard events (default: runs/<recipe name>). "
                    "A run dir with checkpoints is resumed."),
+    init_from: Optional[str] = typer.Option(
+        None, "--init-from", metavar="RUN_DIR[:STEP]",
+        help="Start a new stage from another run's checkpoint (its latest, or STEP): its "
+             "parameters, restored into this run's mesh; step, data and learning-rate "
+             "schedule start at 0. Ignored when --run-dir already has checkpoints (it "
+             "resumes)."),
+    init_optimizer: bool = typer.Option(
+        False, "--init-optimizer",
+        help="With --init-from: bring AdamW's moments too, instead of a fresh optimizer."),
     coordinator: Optional[str] = COORDINATOR,
     num_processes: Optional[int] = NUM_PROCESSES,
     process_id: Optional[int] = PROCESS_ID,
 ) -> None:
     """Train a model from a recipe, resuming from the run dir's latest checkpoint."""
     overrides = list(set_) + ([f"train.steps={steps}"] if steps is not None else [])
+    if init_optimizer and not init_from:
+        fail("--init-optimizer brings the optimizer state of --init-from's run; give "
+             "--init-from RUN_DIR[:STEP] too, or drop it")
     loaded = attempt(lambda: load_recipe(recipe, overrides))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
+    from lctrain.trainer.init_from import InitFrom
     from lctrain.trainer.loop import train
 
-    attempt(lambda: train(loaded, run_dir or default_run_dir(recipe), console))
+    stage = InitFrom.parse(init_from, init_optimizer) if init_from else None
+    attempt(lambda: train(loaded, run_dir or default_run_dir(recipe), console, init_from=stage))
 
 
 @app.command()

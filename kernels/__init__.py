@@ -4,7 +4,7 @@
 implementation is a `Kernel`: a differentiable forward with the signature
 
     forward(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-            *, causal, block_q, block_kv, platform, layout) -> (out, lse)
+            *, causal, window, block_q, block_kv, platform, layout) -> (out, lse)
 
 and the backward of one kv block given the rows' final out and lse (for ring attention),
 so adding a backend is one entry in `_IMPLS`. Each computes in its own layout of q, k,
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from . import pallas, splash, xla
-from .layout import HEADS_MAJOR, LAYOUTS, TOKENS_MAJOR, tokens_major_shape
-from .masks import attention_mask
+from .layout import HEADS_MAJOR, LAYOUTS, TOKENS_MAJOR, row_dot, tokens_major_shape
+from .masks import attention_mask, check_window
 
 
 class Kernel(NamedTuple):
@@ -69,7 +69,7 @@ def resolve_impl(impl: str, platform: str | None = None, chunk_tokens: int | Non
 
 def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
               causal=True, impl="xla", block_q=512, block_kv=512, return_lse=False,
-              platform=None, run_tokens=None, layout=TOKENS_MAJOR):
+              platform=None, run_tokens=None, layout=TOKENS_MAJOR, window=None):
     """Masked multi-head (GQA) attention with softmax scale 1/sqrt(d).
 
     Args:
@@ -81,6 +81,9 @@ def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_i
       q_segment_ids, kv_segment_ids: int [b, sq] / [b, skv] document ids.
       causal: query i may attend key j iff segments match and, if causal,
         q_positions[i] >= kv_positions[j].
+      window: sliding window (Mistral / Gemma): also q_positions[i] - kv_positions[j]
+        < window, per document (kernels/masks.py); None: global attention. Splash has
+        none: "auto" then runs the Pallas kernel, impl="splash" raises (impl_for_call).
       impl: backend name, one of `IMPLS`, or "auto" (see `resolve_impl`).
       block_q, block_kv: tile sizes (rounded down to divisors of sq / skv).
       return_lse: also return the log-sum-exp of the scaled scores.
@@ -96,21 +99,27 @@ def attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_i
       Differentiable w.r.t. q, k, v and through lse.
     """
     _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, layout)
-    kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout)
+    check_window(window)
+    kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout, window)
     out, lse = kernel.forward(q, k, v, q_positions, kv_positions, q_segment_ids,
-                              kv_segment_ids, causal=causal, block_q=block_q,
+                              kv_segment_ids, causal=causal, window=window, block_q=block_q,
                               block_kv=block_kv, platform=platform, layout=layout,
                               **_runs(kernel, run_tokens))
     return (out, lse) if return_lse else out
 
 
 def impl_for_call(impl: str, platform: str | None, sq: int, skv: int, block_q: int,
-                  block_kv: int, run_tokens: int | None) -> str:
+                  block_kv: int, run_tokens: int | None, window: int | None = None) -> str:
     """The backend name one call of sq queries x skv keys runs: "auto" takes splash only
-    where its tiles fit these lengths, else our Pallas kernel; on GPU always xla."""
+    where its tiles fit these lengths and there is no `window`, else our Pallas kernel;
+    on GPU always xla. ValueError for impl="splash" with a window (splash has none)."""
     name = resolve_impl(impl, platform, run_tokens)
     if (platform or jax.default_backend()) == "gpu":
         return "xla"
+    if window is not None and name == "splash":
+        if impl == "auto":
+            return "pallas"
+        raise ValueError(f"{splash.NO_WINDOW}; got window={window}")
     if impl == "auto" and name == "splash" and not splash.supports(sq, skv, block_q, block_kv,
                                                                    run_tokens):
         return "pallas"
@@ -119,15 +128,17 @@ def impl_for_call(impl: str, platform: str | None, sq: int, skv: int, block_q: i
 
 def native_layout(sq: int, skv: int, *, impl: str = "xla", block_q: int = 512,
                   block_kv: int = 512, platform: str | None = None,
-                  run_tokens: int | None = None) -> str:
+                  run_tokens: int | None = None, window: int | None = None) -> str:
     """The layout the kernel that runs calls of sq queries x skv keys computes in, for
     callers that call it many times: kept in it, their tensors cross no relayout per call."""
-    return _IMPLS[impl_for_call(impl, platform, sq, skv, block_q, block_kv, run_tokens)].layout
+    return _IMPLS[impl_for_call(impl, platform, sq, skv, block_q, block_kv, run_tokens,
+                                window)].layout
 
 
-def _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout):
+def _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout, window):
     sq, skv = (tokens_major_shape(x.shape, layout)[1] for x in (q, k))
-    return _IMPLS[impl_for_call(impl, platform, sq, skv, block_q, block_kv, run_tokens)]
+    return _IMPLS[impl_for_call(impl, platform, sq, skv, block_q, block_kv, run_tokens,
+                                window)]
 
 
 def _runs(kernel, run_tokens):
@@ -161,20 +172,24 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
             raise ValueError(f"{name} must be integer, got {x.dtype}")
 
 
-def attention_block_backward(q, k, v, out, lse, dout, *, q_positions, kv_positions,
+def attention_block_backward(q, k, v, delta, lse, dout, *, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, causal=True, impl="xla",
                              block_q=512, block_kv=512, platform=None, run_tokens=None,
-                             layout=TOKENS_MAJOR, dq_sum=None):
-    """(dq, dk, dv) of attention between q and one kv block, where `out` [b, sq, hq, d] and
-    `lse` [b, hq, sq] are the rows' results over ALL kv blocks (merged by the caller).
-    q, k, v, out, dout and the results are in `layout`. With `dq_sum` (f32, q's shape)
+                             layout=TOKENS_MAJOR, dq_sum=None, window=None):
+    """(dq, dk, dv) of attention between q and one kv block, where `lse` [b, hq, sq] is
+    the rows' result over ALL kv blocks (merged by the caller) and `delta` [b, hq, sq]
+    f32 is `row_dot(out, dout, layout)` of their final out: computed once by a caller
+    that runs many kv blocks, which then need not keep out for them.
+    q, k, v, dout and the results are in `layout`. With `dq_sum` (f32, q's shape)
     dq is dq_sum plus this block's dq, in f32: what a caller summing dq over kv blocks
     (ring attention) keeps, without a second q-sized f32 buffer where the kernel adds
     into it itself."""
-    kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout)
+    check_window(window)
+    kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout, window)
     summed = {"dq_sum": dq_sum} if kernel.sums_dq and dq_sum is not None else {}
-    dq, dk, dv = kernel.block_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
+    dq, dk, dv = kernel.block_backward(q, k, v, delta, lse, dout, q_positions, kv_positions,
                                        q_segment_ids, kv_segment_ids, causal=causal,
+                                       window=window,
                                        block_q=block_q, block_kv=block_kv, platform=platform,
                                        layout=layout, **summed, **_runs(kernel, run_tokens))
     if dq_sum is not None and not summed:
@@ -183,4 +198,4 @@ def attention_block_backward(q, k, v, out, lse, dout, *, q_positions, kv_positio
 
 
 __all__ = ["HEADS_MAJOR", "IMPLS", "TOKENS_MAJOR", "attention", "attention_block_backward",
-           "attention_mask", "impl_for_call", "native_layout", "resolve_impl"]
+           "attention_mask", "impl_for_call", "native_layout", "resolve_impl", "row_dot"]

@@ -29,6 +29,15 @@ def relayout(x, source: str, target: str):
     return pinned_row_major(x) if target == HEADS_MAJOR else x
 
 
+def row_dot(out, dout, layout: str):
+    """delta, f32 [b, h, s]: per query row, sum over d of out * dout, the softmax-Jacobian
+    term of attention's backward (sum_j p_ij dp_ij). A caller that runs the backward of
+    many kv blocks against the same rows (ring attention) computes it once and need not
+    keep `out` for them."""
+    spec = "bshd,bshd->bhs" if layout == TOKENS_MAJOR else "bhsd,bhsd->bhs"
+    return jnp.einsum(spec, out.astype(jnp.float32), dout.astype(jnp.float32))
+
+
 def axes(layout: str) -> tuple[int, int]:
     """(sequence axis, heads axis) of a tensor in `layout`."""
     return (1, 2) if layout == TOKENS_MAJOR else (2, 1)

@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import xla
-from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, seq_len
+from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, row_dot, seq_len
 from .pallas_kernels import N_PREFETCH, backward_kernel, forward_kernel
 from .pallas_schedule import KeyMajor, Prefetch, QueryMajor, prefetch_arrays
 from .residuals import named_results
@@ -203,9 +203,10 @@ def _problem(q, k, block_q, block_kv):
     return _Problem(b, hq, k.shape[1], sq, k.shape[2], d, block_q, block_kv)
 
 
-def _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal):
+def _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal, window):
     """The scalar-prefetch arrays and the VMEM id rows (4), in kernel order."""
-    return (prefetch_arrays(q_pos, kv_pos, q_seg, kv_seg, pb.block_q, pb.block_kv, causal),
+    return (prefetch_arrays(q_pos, kv_pos, q_seg, kv_seg, pb.block_q, pb.block_kv, causal,
+                            window),
             tuple(_token_rows(x) for x in (q_pos, q_seg, kv_pos, kv_seg)))
 
 
@@ -215,14 +216,15 @@ def _grid_spec(grid, in_specs, out_specs, scratch_shapes):
                                         scratch_shapes=scratch_shapes)
 
 
-def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv,
-                    interpret, layout):
+def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, block_q,
+                    block_kv, interpret, layout):
     q, k, v = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v))
     pb = _problem(q, k, block_q, block_kv)
     grid, locator, specs = pb.query_major()
-    prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal)
+    prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal, window)
     out, lse = pl.pallas_call(
-        functools.partial(forward_kernel, grid=locator, causal=causal, scale=pb.scale),
+        functools.partial(forward_kernel, grid=locator, causal=causal, window=window,
+                          scale=pb.scale),
         grid_spec=_grid_spec(
             grid, [specs.q, specs.kv, specs.kv, specs.q_row, specs.q_row, specs.kv_row,
                    specs.kv_row],
@@ -238,18 +240,16 @@ def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, bloc
     return relayout(out, HEADS_MAJOR, layout), lse[:, :, 0, :]
 
 
-def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, causal,
-                     block_q, block_kv, interpret, layout, dq_sum=None):
-    """(dq, dk, dv); with `dq_sum` (f32, like q) dq is dq_sum plus this call's dq, added
-    in the kernel's own f32 buffer (no second q-sized f32 buffer: what ring attention
-    sums over its steps)."""
-    q, k, v, out, dout = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v, out, dout))
+def _pallas_backward(q, k, v, delta, lse, dout, q_pos, kv_pos, q_seg, kv_seg, causal,
+                     window, block_q, block_kv, interpret, layout, dq_sum=None):
+    """(dq, dk, dv) given delta (layout.row_dot of the rows' out and dout) minus the lse
+    cotangent: ds = p * (dp - delta + dlse), one row for both. With `dq_sum` (f32, like
+    q) dq is dq_sum plus this call's dq, added in the kernel's own f32 buffer (no second
+    q-sized f32 buffer: what ring attention sums over its steps)."""
+    q, k, v, dout = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v, dout))
     pb = _problem(q, k, block_q, block_kv)
-    prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal)
-    # delta_i = sum_d do_i o_i (the softmax-Jacobian term) minus the lse cotangent:
-    # ds = p * (dp - delta + dlse) = p * (dp - (delta - dlse)), one row for both.
-    delta = jnp.einsum("bhqd,bhqd->bhq", dout.astype(_F32), out.astype(_F32))
-    delta = _stat_rows(delta - dlse.astype(_F32))
+    prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal, window)
+    delta = _stat_rows(delta)
     # Empty rows keep lse = -inf: they only occur in masked block pairs, where
     # exp(s - lse) = inf is replaced by 0 before it is used.
     lse = _stat_rows(lse)
@@ -259,8 +259,8 @@ def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     dq_shape = (pb.b, pb.hq, pb.sq, pb.d)
     dq, dk, dv = pl.pallas_call(
-        functools.partial(backward_kernel, grid=locator, causal=causal, scale=pb.scale,
-                          block_q=block_q),
+        functools.partial(backward_kernel, grid=locator, causal=causal, window=window,
+                          scale=pb.scale, block_q=block_q),
         grid_spec=_grid_spec(
             grid, [specs.q, specs.kv, specs.kv, specs.q, specs.stat_row, specs.stat_row,
                    specs.q_row, specs.q_row, specs.kv_row, specs.kv_row, hbm],
@@ -285,27 +285,28 @@ def _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg
 
 # ------------------------------------------------------------- custom vjp ----
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _flash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv, interpret,
-           layout):
-    return _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _flash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, block_q, block_kv,
+           interpret, layout):
+    return _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, block_q,
                            block_kv, interpret, layout)
 
 
-def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv, interpret,
-               layout):
+def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, block_q, block_kv,
+               interpret, layout):
     out, lse = named_results(*_pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal,
-                                              block_q, block_kv, interpret, layout))
+                                              window, block_q, block_kv, interpret, layout))
     # O(s) residuals only, in the caller's layout (the same buffers as the caller's, not
     # relayouted copies); the backward kernel recomputes scores block by block.
     return (out, lse), (q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _flash_bwd(causal, block_q, block_kv, interpret, layout, residuals, cotangents):
+def _flash_bwd(causal, window, block_q, block_kv, interpret, layout, residuals, cotangents):
     q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg = residuals
     dout, dlse = cotangents
-    dq, dk, dv = _pallas_backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg,
-                                  kv_seg, causal, block_q, block_kv, interpret, layout)
+    delta = row_dot(out, dout, layout) - dlse.astype(_F32)
+    dq, dk, dv = _pallas_backward(q, k, v, delta, lse, dout, q_pos, kv_pos, q_seg, kv_seg,
+                                  causal, window, block_q, block_kv, interpret, layout)
     return dq, dk, dv, None, None, None, None  # integer inputs: no cotangent
 
 
@@ -320,30 +321,34 @@ def _blocks(q, k, block_q, block_kv, interpret, layout):
 
 
 def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                    *, causal=True, block_q=512, block_kv=512, platform=None,
+                    *, causal=True, window=None, block_q=512, block_kv=512, platform=None,
                     layout=TOKENS_MAJOR):
     """Pallas flash attention; returns (out in q's layout and dtype, lse [b, hq, sq] f32).
 
     Differentiable w.r.t. q, k, v, also through lse. `platform` (default: jax's backend)
     picks Mosaic for "tpu", interpret mode for "cpu". `layout`: kernels/layout.py.
+    `window` (kernels/masks.py): block pairs wholly outside it are skipped, never copied.
     Shapes are assumed validated by `lctrain.kernels.attention`.
     """
     interpret = (platform or jax.default_backend()) == "cpu"
     operands = _vary_alike(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    return _flash(*operands, bool(causal), *_blocks(q, k, block_q, block_kv, interpret, layout),
-                  interpret, layout)
+    return _flash(*operands, bool(causal), window,
+                  *_blocks(q, k, block_q, block_kv, interpret, layout), interpret, layout)
 
 
-def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
-                             q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
-                             block_kv=512, platform=None, layout=TOKENS_MAJOR, dq_sum=None):
-    """(dq, dk, dv) of attention between q and one kv block, given the rows' FINAL out
-    and lse (merged over all kv blocks by the caller, as ring attention does): then
-    exp(s - lse) is this block's share of the global softmax. With `dq_sum` (f32), dq is
-    dq_sum + this block's dq, in f32 (the kernel adds into it)."""
+def flash_attention_backward(q, k, v, delta, lse, dout, q_positions, kv_positions,
+                             q_segment_ids, kv_segment_ids, *, causal=True, window=None,
+                             block_q=512, block_kv=512, platform=None, layout=TOKENS_MAJOR,
+                             dq_sum=None):
+    """(dq, dk, dv) of attention between q and one kv block, given the rows' FINAL lse
+    and delta (layout.row_dot of out and dout; merged over all kv blocks by the caller,
+    as ring attention does): then exp(s - lse) is this block's share of the global
+    softmax. With `dq_sum` (f32), dq is dq_sum + this block's dq, in f32 (the kernel
+    adds into it)."""
     interpret = (platform or jax.default_backend()) == "cpu"
     blocks = _blocks(q, k, block_q, block_kv, interpret, layout)
-    q, k, v, out, lse, dout, *ids = _vary_alike(q, k, v, out, lse, dout, q_positions,
-                                                kv_positions, q_segment_ids, kv_segment_ids)
-    return _pallas_backward(q, k, v, out, lse, dout, jnp.zeros_like(lse), *ids,
-                            bool(causal), *blocks, interpret, layout, dq_sum)
+    q, k, v, delta, lse, dout, *ids = _vary_alike(q, k, v, delta, lse, dout, q_positions,
+                                                  kv_positions, q_segment_ids,
+                                                  kv_segment_ids)
+    return _pallas_backward(q, k, v, delta, lse, dout, *ids, bool(causal), window, *blocks,
+                            interpret, layout, dq_sum)

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import xla
+from .masks import pair_allowed
 from .pallas_schedule import Prefetch, step_visibility
 
 _F32 = jnp.float32
@@ -33,14 +34,6 @@ def _run_visible(some, every, compute):
     only some may be, not at all if none can be."""
     pl.when(every)(lambda: compute(False))
     pl.when(jnp.logical_and(some, jnp.logical_not(every)))(lambda: compute(True))
-
-
-def _allowed(q_pos, kv_pos, q_seg, kv_seg, causal):
-    """Elementwise mask; the orientation ([bq, bk] or [bk, bq]) follows the operands'."""
-    allowed = q_seg == kv_seg
-    if causal:
-        allowed = jnp.logical_and(allowed, q_pos >= kv_pos)
-    return allowed
 
 
 def _column(row_ref):
@@ -65,7 +58,7 @@ def _dot_t(a, b):
 
 # --------------------------------------------------------- forward kernel ----
 
-def forward_kernel(*refs, grid, causal, scale):
+def forward_kernel(*refs, grid, causal, window, scale):
     """One (q block, kv slot) step of the online softmax for one query head."""
     pf = Prefetch(*refs[:N_PREFETCH])
     (q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref, out_ref, lse_ref,
@@ -83,8 +76,8 @@ def forward_kernel(*refs, grid, causal, scale):
         v = v_ref[...]
         s = _dot_t(q_ref[...], k_ref[...]) * scale  # [bq, bk]
         if masked:
-            mask = _allowed(_column(q_pos_ref), kv_pos_ref[...], _column(q_seg_ref),
-                            kv_seg_ref[...], causal)
+            mask = pair_allowed(_column(q_pos_ref), kv_pos_ref[...], _column(q_seg_ref),
+                                kv_seg_ref[...], causal, window)
             s = jnp.where(mask, s, _MASK_VALUE)
         row_max = max_ref[...]
         new_max = jnp.maximum(row_max, s.max(axis=1, keepdims=True))
@@ -97,7 +90,7 @@ def forward_kernel(*refs, grid, causal, scale):
         acc_ref[...] = correction * acc_ref[...] + _dot(p.astype(v.dtype), v)
         max_ref[...] = new_max
 
-    _, some, every = step_visibility(pf, grid, causal, *ids)
+    _, some, every = step_visibility(pf, grid, causal, window, *ids)
     _run_visible(some, every, fold_kv_block)
 
     @pl.when(slot == grid.nkv - 1)
@@ -113,7 +106,7 @@ def forward_kernel(*refs, grid, causal, scale):
 
 # --------------------------------------------------------- backward kernel ----
 
-def backward_kernel(*refs, grid, causal, scale, block_q):
+def backward_kernel(*refs, grid, causal, window, scale, block_q):
     """dk, dv and dq of one (kv block, group member, q slot) step from one recomputation
     of the scores, in the transposed orientation pT = exp(k q^T * scale - lse_row)
     ([bk, bq]): dv += pT do, dk += dsT q, dq[q block] += scale * dsT^T k (into whatever
@@ -127,7 +120,7 @@ def backward_kernel(*refs, grid, causal, scale, block_q):
     ids = _program_ids(5)
     j, member, slot = ids[2:]
     last_member, last_slot = pl.num_programs(3) - 1, pl.num_programs(4) - 1
-    step, some, every = step_visibility(pf, grid, causal, *ids)
+    step, some, every = step_visibility(pf, grid, causal, window, *ids)
     dq_block = dq_hbm.at[step.batch, step.q_head, pl.ds(step.q_block * block_q, block_q)]
     dq_read = pltpu.make_async_copy(dq_block, dq_buf, sems.at[0])
     dq_write = pltpu.make_async_copy(dq_buf, dq_block, sems.at[1])
@@ -152,8 +145,8 @@ def backward_kernel(*refs, grid, causal, scale, block_q):
         s_t = _dot_t(k, q) * scale  # [bk, bq]
         p_t = jnp.exp(s_t - lse_ref[...])
         if masked:
-            p_t = jnp.where(_allowed(q_pos_ref[...], _column(kv_pos_ref), q_seg_ref[...],
-                                     _column(kv_seg_ref), causal), p_t, 0.0)
+            p_t = jnp.where(pair_allowed(q_pos_ref[...], _column(kv_pos_ref), q_seg_ref[...],
+                                         _column(kv_seg_ref), causal, window), p_t, 0.0)
         dv_acc_ref[...] += _dot(p_t.astype(dout.dtype), dout)
         ds_t = (p_t * (_dot_t(v_ref[...], dout) - delta_ref[...])).astype(q.dtype)
         dk_acc_ref[...] += _dot(ds_t, q)

@@ -8,6 +8,10 @@ mask when every pair is, and masked otherwise (`pair_visibility`). The last two 
 matter for packed documents whose positions restart: a q block and a later kv block
 sharing only one document (q's last, kv's first) are empty when that document's keys
 come after its queries, although kv's next document starts at position 0.
+A sliding window (kernels/masks.py) skips a pair whose nearest tokens are already
+`window` apart (q's earliest position minus kv's latest), and leaves it unmasked only
+if its farthest ones are not (q's latest minus kv's earliest): so a q block computes
+about window / block_kv + 1 kv blocks, the band along the diagonal.
 
 Visit order. The Pallas TPU pipeline copies an operand's block from HBM only when its
 block index differs from the previous grid step's. So the grid's reduction axis does
@@ -15,7 +19,8 @@ not name a block directly but a SLOT: per grid row (a q block in the query-major
 a kv block in the key-major one) the blocks of the other side are sorted by
 (segment min, segment max, position min), which for documents stored in sequence order
 (or chunks of one sequence, however permuted, with positions being sequence indices)
-restores the sequence order, so the blocks a row may see form one run of ranks. A row
+restores the sequence order, so the blocks a row may see form one run of ranks (the
+window cuts the run's far end, keeping it one run). A row
 stores (first rank, count): slot t visits rank clamp(t, first, first + count - 1), so
 the slots before and after the run repeat a block already in VMEM (no copy, no
 compute). A row with nothing to see repeats the block its neighbour in grid order
@@ -77,7 +82,7 @@ def _read_bounds(bounds, batch, block, n_blocks):
     return tuple(bounds[base + k] for k in range(_N_BOUNDS))
 
 
-def pair_visibility(q_bounds, kv_bounds, batch, i, j, nq, nkv, causal):
+def pair_visibility(q_bounds, kv_bounds, batch, i, j, nq, nkv, causal, window=None):
     """(some pair may be allowed, every pair is allowed) for q block i x kv block j.
 
     Works on SMEM refs inside a kernel and, broadcasting, on arrays in XLA: the runs are
@@ -95,6 +100,9 @@ def pair_visibility(q_bounds, kv_bounds, batch, i, j, nq, nkv, causal):
         some = jnp.logical_and(some, jnp.logical_or(jnp.logical_not(only_shared),
                                                     q_hi_in_last >= kv_lo_in_first))
         every = jnp.logical_and(every, q_lo >= kv_hi)
+    if window is not None:
+        some = jnp.logical_and(some, q_lo - kv_hi < window)
+        every = jnp.logical_and(every, q_hi - kv_lo < window)
     return some, every
 
 
@@ -129,14 +137,14 @@ def _row_runs(visible):
                      axis=-1).astype(_INT32)
 
 
-def prefetch_arrays(q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv, causal):
+def prefetch_arrays(q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv, causal, window=None):
     """The Prefetch of one attention call."""
     q_bounds = block_bounds(q_pos, q_seg, block_q)
     kv_bounds = block_bounds(kv_pos, kv_seg, block_kv)
     b, nq, nkv = q_pos.shape[0], q_pos.shape[1] // block_q, kv_pos.shape[1] // block_kv
     some, _ = pair_visibility(q_bounds, kv_bounds, jnp.arange(b)[:, None, None],
                               jnp.arange(nq)[None, :, None], jnp.arange(nkv)[None, None, :],
-                              nq, nkv, causal)
+                              nq, nkv, causal, window)
     kv_order, q_order = _block_order(kv_bounds, b, nkv), _block_order(q_bounds, b, nq)
     kv_rows = _row_runs(jnp.take_along_axis(some, kv_order[:, None, :], axis=2))
     q_rows = _row_runs(jnp.take_along_axis(jnp.swapaxes(some, 1, 2), q_order[:, None, :],
@@ -180,9 +188,9 @@ class KeyMajor(NamedTuple):
         return Step(b, hk * self.g + member, hk, pf.q_order[b * self.nq + rank], j, active)
 
 
-def step_visibility(pf: Prefetch, grid, causal, *grid_indices):
+def step_visibility(pf: Prefetch, grid, causal, window, *grid_indices):
     """(Step, computed at all, computed without a mask) of one grid step."""
     step = grid.locate(pf, *grid_indices)
     some, every = pair_visibility(pf.q_bounds, pf.kv_bounds, step.batch, step.q_block,
-                                  step.kv_block, grid.nq, grid.nkv, causal)
+                                  step.kv_block, grid.nq, grid.nkv, causal, window)
     return step, jnp.logical_and(step.active, some), jnp.logical_and(step.active, every)

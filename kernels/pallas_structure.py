@@ -38,15 +38,17 @@ class Schedule(NamedTuple):
     problem: pallas._Problem
     prefetch: pallas.Prefetch
     causal: bool
+    window: int | None = None
 
 
-def schedule(q_pos, kv_pos, q_seg, kv_seg, causal, heads=4, kv_heads=2, block=32):
-    """The Schedule of one call on these [1, s] ids."""
+def schedule(q_pos, kv_pos, q_seg, kv_seg, causal, heads=4, kv_heads=2, block=32,
+             window=None):
+    """The Schedule of one call on these [1, s] ids (sliding `window`: kernels/masks.py)."""
     problem = pallas._Problem(1, heads, kv_heads, q_pos.shape[1], kv_pos.shape[1], 16,
                               block, block)
     prefetch = prefetch_arrays(*(jnp.asarray(x) for x in (q_pos, kv_pos, q_seg, kv_seg)),
-                               block, block, causal)
-    return Schedule(problem, prefetch, causal)
+                               block, block, causal, window)
+    return Schedule(problem, prefetch, causal, window)
 
 
 def walk(sched: Schedule, grid_kind: str):
@@ -54,7 +56,7 @@ def walk(sched: Schedule, grid_kind: str):
     the grid's BlockSpecs) of the query-major (forward) or key-major (backward) grid."""
     grid, locator, specs = getattr(sched.problem, grid_kind)()
     ids = tuple(jnp.asarray(x) for x in np.indices(grid).reshape(len(grid), -1))
-    step, some, _ = step_visibility(sched.prefetch, locator, sched.causal, *ids)
+    step, some, _ = step_visibility(sched.prefetch, locator, sched.causal, sched.window, *ids)
     return ids, step, np.asarray(some), specs
 
 

@@ -26,6 +26,10 @@ The map lives in the kernel's scalar memory (1 MiB SMEM on v5p), so it is kept t
 computed in slices of the requested size): at 1M tokens on 4 chips a ring step (256K x
 256K) takes 1024-token kv blocks; all_gather's 256K queries x 1M keys do not fit.
 
+No sliding window: splash's LocalMask is a static NumPy mask, which cannot follow our
+run-time block maps, so `kernels.impl_for_call` runs windowed calls of impl=auto on
+the Pallas kernel (which skips blocks outside the window) and refuses impl=splash.
+
 Rows with no allowed key get out 0 and lse -inf like the other kernels (splash itself
 would divide by zero). The backward folds the lse cotangent into splash's per-row
 `delta`, so the result is differentiable through lse as well; ring attention instead
@@ -47,13 +51,12 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
-from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, seq_len
+from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, row_dot, seq_len
 from .residuals import named_results
 
 _LANES = splash.NUM_LANES  # splash tiles the sequence in multiples of 128, even interpreted
 _MASK_VALUE = splash.DEFAULT_MASK_VALUE
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2
-_F32 = jnp.float32
 # How splash's forward, dq and dk/dv Mosaic calls are named in compiled HLO (prefixes).
 MOSAIC_NAMES = ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv")
 # The block map lives in scalar memory (SMEM, 1 MiB on v5p) next to the kernel's own
@@ -213,7 +216,7 @@ def _row_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, blocks, causal, interpre
     return jnp.where(ok, out, jnp.nan), lse
 
 
-def _row_backward(q, k, v, out, lse, dout, delta, q_pos, kv_pos, q_seg, kv_seg, blocks,
+def _row_backward(q, k, v, lse, dout, delta, q_pos, kv_pos, q_seg, kv_seg, blocks,
                   causal, interpret):
     """(dq, dk, dv) of one row from splash's dq and dk/dv kernels."""
     fwd_info, dkv_info = _mask_infos(q_pos, kv_pos, q_seg, kv_seg, blocks, causal)
@@ -262,14 +265,14 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret, l
     return relayout(out, HEADS_MAJOR, layout), lse
 
 
-def _backward(q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, causal, blocks,
+def _backward(q, k, v, delta, lse, dout, q_pos, kv_pos, q_seg, kv_seg, causal, blocks,
               interpret, layout):
-    q, k, v, out, dout = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v, out, dout))
-    # d lse / d score = probability, so the lse cotangent enters exactly like -delta.
-    delta = jnp.einsum("bhsd,bhsd->bhs", out.astype(_F32), dout.astype(_F32)) - dlse
+    """(dq, dk, dv) given delta (layout.row_dot of out and dout) minus the lse cotangent:
+    d lse / d score = probability, so that cotangent enters exactly like -delta."""
+    q, k, v, dout = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v, dout))
     row = functools.partial(_row_backward, blocks=blocks, causal=causal, interpret=interpret)
-    grads = _per_row(row, q, k, v, out, _backward_lse(lse), dout, delta, q_pos, kv_pos,
-                     q_seg, kv_seg)
+    grads = _per_row(row, q, k, v, _backward_lse(lse), dout, delta, q_pos, kv_pos, q_seg,
+                     kv_seg)
     return tuple(relayout(g, HEADS_MAJOR, layout) for g in grads)
 
 
@@ -286,8 +289,9 @@ def _splash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, blocks, interpret
 
 def _splash_bwd(causal, blocks, interpret, layout, residuals, cotangents):
     q, k, v, out, lse, *ids = residuals
-    dq, dk, dv = _backward(q, k, v, out, lse, *cotangents, *ids, causal, blocks, interpret,
-                           layout)
+    dout, dlse = cotangents
+    delta = row_dot(out, dout, layout) - dlse
+    dq, dk, dv = _backward(q, k, v, delta, lse, dout, *ids, causal, blocks, interpret, layout)
     return dq, dk, dv, None, None, None, None
 
 
@@ -295,6 +299,16 @@ _splash.defvjp(_splash_fwd, _splash_bwd)
 
 
 # ------------------------------------------------------------- public api ----
+
+NO_WINDOW = ("attention.impl=splash has no sliding window (its LocalMask is static, our "
+             "block maps are built at run time); use attention.impl=pallas or auto, which "
+             "run windowed layers on the Pallas kernel")
+
+
+def _no_window(window):
+    if window is not None:
+        raise ValueError(f"{NO_WINDOW}; got window={window}")
+
 
 def _interpret(platform):
     return (platform or jax.default_backend()) == "cpu"
@@ -310,24 +324,28 @@ def _prepare(q, k, ids, block_q, block_kv, run_tokens, layout):
 
 
 def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                    *, causal=True, block_q=512, block_kv=512, platform=None,
+                    *, causal=True, window=None, block_q=512, block_kv=512, platform=None,
                     run_tokens=None, layout=TOKENS_MAJOR):
     """Splash attention; (out in q's layout and dtype, lse [b, hq, sq] f32), as
     `lctrain.kernels.attention` documents, for the layouts described above; q and kv
-    are made of contiguous runs of `run_tokens` positions (None: one run each)."""
+    are made of contiguous runs of `run_tokens` positions (None: one run each).
+    `window` must be None (ValueError otherwise: see NO_WINDOW)."""
+    _no_window(window)
     ids = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     blocks, scale, ids = _prepare(q, k, ids, block_q, block_kv, run_tokens, layout)
     return _splash(q * scale, k, v, *ids, bool(causal), blocks, _interpret(platform), layout)
 
 
-def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
-                             q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
-                             block_kv=512, platform=None, run_tokens=None,
+def flash_attention_backward(q, k, v, delta, lse, dout, q_positions, kv_positions,
+                             q_segment_ids, kv_segment_ids, *, causal=True, window=None,
+                             block_q=512, block_kv=512, platform=None, run_tokens=None,
                              layout=TOKENS_MAJOR):
-    """(dq, dk, dv) of attention between q and one kv block, given the rows' FINAL out
-    and lse (merged over all kv blocks by the caller, as ring attention does)."""
+    """(dq, dk, dv) of attention between q and one kv block, given the rows' FINAL lse
+    and delta (layout.row_dot of out and dout; merged over all kv blocks by the caller,
+    as ring attention does). `window` must be None."""
+    _no_window(window)
     ids = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     blocks, scale, ids = _prepare(q, k, ids, block_q, block_kv, run_tokens, layout)
-    dq, dk, dv = _backward(q * scale, k, v, out, lse, dout, jnp.zeros_like(lse), *ids,
-                           bool(causal), blocks, _interpret(platform), layout)
+    dq, dk, dv = _backward(q * scale, k, v, delta, lse, dout, *ids, bool(causal), blocks,
+                           _interpret(platform), layout)
     return (dq * scale).astype(q.dtype), dk, dv

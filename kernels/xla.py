@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .layout import TOKENS_MAJOR, convert
+from .layout import TOKENS_MAJOR, convert, row_dot
 from .masks import attention_mask
 from .residuals import named_results
 
@@ -86,7 +86,7 @@ def _scores(q, k, scale):
     return jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=_F32) * scale
 
 
-def _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal):
+def _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal, window):
     """Allowed pairs for one block pair, broadcast over (hkv, g): [b, 1, 1, bq, bk].
 
     Positions and segments are the same in every layer, so XLA would hoist all blocks'
@@ -96,7 +96,7 @@ def _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal):
     """
     _, q_pos, kv_pos, q_seg, kv_seg = jax.lax.optimization_barrier(
         (k, q_pos, kv_pos, q_seg, kv_seg))
-    return attention_mask(q_pos, kv_pos, q_seg, kv_seg, causal)[:, None, None]
+    return attention_mask(q_pos, kv_pos, q_seg, kv_seg, causal, window)[:, None, None]
 
 
 def _masked_scores(q, k, mask, scale):
@@ -122,11 +122,11 @@ def _weighted_values(p, v):
                       preferred_element_type=_F32)
 
 
-def _online_softmax_step(carry, kv_block, *, q, q_pos, q_seg, causal, scale):
+def _online_softmax_step(carry, kv_block, *, q, q_pos, q_seg, causal, window, scale):
     """Fold one kv block into the running (acc, max, sum) of a query block."""
     acc, row_max, row_sum = carry
     k, v, kv_pos, kv_seg = kv_block
-    mask = _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal)
+    mask = _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal, window)
     s = _masked_scores(q, k, mask, scale)
     new_max = jnp.maximum(row_max, s.max(axis=-1))
     # What was accumulated was weighted by exp(. - row_max); rescale it to the
@@ -151,24 +151,24 @@ def _normalize(acc, row_max, row_sum):
     return out, lse
 
 
-def _attention_grads_step(dq, kv_block, *, q, dout, lse, delta, dlse, q_pos, q_seg,
-                          causal, scale):
+def _attention_grads_step(dq, kv_block, *, q, dout, lse, delta, q_pos, q_seg, causal,
+                          window, scale):
     """One kv block of the backward pass for one query block.
 
     With p = softmax probs, o = p v, lse = logsumexp(s):
       dv = p^T do,   dp = do v^T,
-      ds = p * (dp - delta + dlse)   (delta = rowsum(do * o); d lse/ds = p),
+      ds = p * (dp - delta)   (delta = rowsum(do * o) - dlse; d lse/ds = p),
       dq += scale * ds k,   dk = scale * ds^T q.
     Summing over the group axis g in dk, dv is the GQA reduction.
     """
     k, v, kv_pos, kv_seg = kv_block
-    mask = _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal)
+    mask = _block_mask(k, q_pos, kv_pos, q_seg, kv_seg, causal, window)
     s = _masked_scores(q, k, mask, scale)
     p = _masked_probs(s, mask, lse)  # exact softmax probs, recomputed from lse
     dv = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(dout.dtype), dout,
                     preferred_element_type=_F32)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dout, v, preferred_element_type=_F32)
-    ds = p * (dp - delta[..., None] + dlse[..., None])
+    ds = p * (dp - delta[..., None])
     dq = dq + scale * jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(k.dtype), k,
                                  preferred_element_type=_F32)
     dk = scale * jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(q.dtype), q,
@@ -188,7 +188,7 @@ def _kv_blocks(k, v, kv_pos, kv_seg, block_kv):
     return tuple(_split_blocks(x, block_kv) for x in (k, v, kv_pos, kv_seg))
 
 
-def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv):
+def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, block_q, block_kv):
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -201,7 +201,7 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv):
                 jnp.full((b, hkv, g, block_q), _MASK_VALUE, _F32),
                 jnp.zeros((b, hkv, g, block_q), _F32))
         step = functools.partial(_online_softmax_step, q=qb, q_pos=qb_pos, q_seg=qb_seg,
-                                 causal=causal, scale=scale)
+                                 causal=causal, window=window, scale=scale)
         (acc, row_max, row_sum), _ = lax.scan(step, init, kv_blocks)
         out, lse = _normalize(acc, row_max, row_sum)
         # [b, hkv, g, bq, d] -> [b, bq, hkv, g, d], back in the caller's dtype.
@@ -214,31 +214,37 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv):
     return _merge_blocks(out).reshape(b, sq, hq, d), _merge_rows(lse)
 
 
-def _backward(causal, block_q, block_kv, residuals, cotangents):
+def _backward(causal, window, block_q, block_kv, residuals, cotangents):
     q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg = residuals
     dout, dlse = cotangents
+    delta = row_dot(out, dout, TOKENS_MAJOR) - dlse.astype(_F32)
+    return (*_grads(q, k, v, delta, lse, dout, q_pos, kv_pos, q_seg, kv_seg, causal, window,
+                    block_q, block_kv),
+            None, None, None, None)  # positions and segment ids are integers: no cotangent
+
+
+def _grads(q, k, v, delta, lse, dout, q_pos, kv_pos, q_seg, kv_seg, causal, window, block_q,
+           block_kv):
+    """(dq, dk, dv) given delta, the rows' softmax-Jacobian term (kernels/layout.row_dot)
+    minus the lse cotangent."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     scale = 1.0 / math.sqrt(d)
-
-    # delta_i = sum_d do_i * o_i = sum_j p_ij dp_ij: the softmax-Jacobian term.
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(_F32), out.astype(_F32))
     # Empty rows have lse = -inf; any finite stand-in works, their p is 0.
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    dlse = dlse.astype(_F32)
 
     kv_blocks = _kv_blocks(k, v, kv_pos, kv_seg, block_kv)
     q_blocks = (
         *(_split_blocks(_group_heads(x, hkv), block_q) for x in (q, dout)),
-        *(_split_rows(x, hkv, block_q) for x in (lse, delta, dlse)),
+        *(_split_rows(x, hkv, block_q) for x in (lse, delta)),
         *(_split_blocks(x, block_q) for x in (q_pos, q_seg)),
     )
 
     def one_query_block(dkv_acc, q_block):
-        qb, doutb, lseb, deltab, dlseb, qb_pos, qb_seg = q_block
+        qb, doutb, lseb, deltab, qb_pos, qb_seg = q_block
         step = functools.partial(_attention_grads_step, q=qb, dout=doutb, lse=lseb,
-                                 delta=deltab, dlse=dlseb, q_pos=qb_pos, q_seg=qb_seg,
-                                 causal=causal, scale=scale)
+                                 delta=deltab, q_pos=qb_pos, q_seg=qb_seg,
+                                 causal=causal, window=window, scale=scale)
         dq, dkv = lax.scan(step, jnp.zeros(qb.shape, _F32), kv_blocks)
         # dk, dv of every kv block get a contribution from every query block.
         return jax.tree.map(jnp.add, dkv_acc, dkv), dq
@@ -248,18 +254,17 @@ def _backward(causal, block_q, block_kv, residuals, cotangents):
     dq = _merge_blocks(dq).reshape(q.shape).astype(q.dtype)
     dk = _merge_blocks(dk).astype(k.dtype)
     dv = _merge_blocks(dv).astype(v.dtype)
-    # Positions and segment ids are integers: no cotangent.
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv):
-    return _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _flash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, block_q, block_kv):
+    return _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, block_q, block_kv)
 
 
-def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, block_q, block_kv):
+def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, block_q, block_kv):
     out, lse = named_results(*_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal,
-                                       block_q, block_kv))
+                                       window, block_q, block_kv))
     # O(s) residuals only; the backward recomputes scores block by block.
     return (out, lse), (q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg)
 
@@ -268,35 +273,38 @@ _flash.defvjp(_flash_fwd, _backward)
 
 
 def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                    *, causal=True, block_q=512, block_kv=512, platform=None,
+                    *, causal=True, window=None, block_q=512, block_kv=512, platform=None,
                     layout=TOKENS_MAJOR):
     """Blockwise attention; returns (out in q's layout and dtype, lse [b, hq, sq] f32).
 
     Block sizes are rounded down to divisors of sq / skv. Shapes are assumed
     validated by `lctrain.kernels.attention`. `platform` is unused: plain XLA runs on
     every platform (it is part of every kernel's signature). This kernel computes in
-    [b, s, h, d]; another `layout` is swapped on the way in and out.
+    [b, s, h, d]; another `layout` is swapped on the way in and out. `window`
+    (kernels/masks.py) is applied by the mask: this kernel skips no block, causal or
+    windowed.
     """
     q, k, v = (convert(x, layout, TOKENS_MAJOR) for x in (q, k, v))
     block_q = largest_divisor_at_most(q.shape[1], block_q)
     block_kv = largest_divisor_at_most(k.shape[1], block_kv)
     out, lse = _flash(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                      bool(causal), block_q, block_kv)
+                      bool(causal), window, block_q, block_kv)
     return convert(out, TOKENS_MAJOR, layout), lse
 
 
-def flash_attention_backward(q, k, v, out, lse, dout, q_positions, kv_positions,
-                             q_segment_ids, kv_segment_ids, *, causal=True, block_q=512,
-                             block_kv=512, platform=None, layout=TOKENS_MAJOR):
-    """dq, dk, dv of one (q, kv) block pair given the FINAL out and lse of the rows.
+def flash_attention_backward(q, k, v, delta, lse, dout, q_positions, kv_positions,
+                             q_segment_ids, kv_segment_ids, *, causal=True, window=None,
+                             block_q=512, block_kv=512, platform=None, layout=TOKENS_MAJOR):
+    """dq, dk, dv of one (q, kv) block pair given the rows' FINAL lse and delta
+    (kernels/layout.row_dot of their final out and dout).
 
-    A ring step calls this with the out and lse merged over all kv blocks: then
+    A ring step calls this with the lse merged over all kv blocks: then
     p = exp(s - lse) is this block's share of the global softmax, and the result is
     exactly this block's contribution to the gradients.
     """
-    q, k, v, out, dout = (convert(x, layout, TOKENS_MAJOR) for x in (q, k, v, out, dout))
+    q, k, v, dout = (convert(x, layout, TOKENS_MAJOR) for x in (q, k, v, dout))
     block_q = largest_divisor_at_most(q.shape[1], block_q)
     block_kv = largest_divisor_at_most(k.shape[1], block_kv)
-    residuals = (q, k, v, out, lse, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    grads = _backward(bool(causal), block_q, block_kv, residuals, (dout, jnp.zeros_like(lse)))
-    return tuple(convert(g, TOKENS_MAJOR, layout) for g in grads[:3])
+    grads = _grads(q, k, v, delta, lse, dout, q_positions, kv_positions, q_segment_ids,
+                   kv_segment_ids, bool(causal), window, block_q, block_kv)
+    return tuple(convert(g, TOKENS_MAJOR, layout) for g in grads)

@@ -26,9 +26,10 @@ class AllGather(ContextStrategy):
     name = "all_gather"
     simplicity = 1
 
-    def local_attention(self, q, k, v, positions, segment_ids):
+    def local_attention(self, q, k, v, positions, segment_ids, window=None):
         return self.kernel(q, gather_sequence(k), gather_sequence(v), positions,
-                           gather_sequence(positions), segment_ids, gather_sequence(segment_ids))
+                           gather_sequence(positions), segment_ids, gather_sequence(segment_ids),
+                           window=window)
 
     @classmethod
     def attention_footprint(cls, dm: Dims) -> AttentionFootprint:

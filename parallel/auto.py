@@ -63,7 +63,12 @@ def choose_strategy(recipe: Recipe, axis_sizes: dict[str, int], device_memory: i
     return strategy, ulysses, reason
 
 
-def strategy_name(strategy: str, ulysses: int) -> str:
+def strategy_name(strategy: str | dict[str, str], ulysses: int) -> str:
+    """How the run names parallel.strategy: usp with its degree; a map per layer kind as
+    "global: ring, sliding: halo"."""
+    if isinstance(strategy, dict):
+        return ", ".join(f"{kind}: {strategy_name(name, ulysses)}"
+                         for kind, name in strategy.items())
     return f"{strategy} (ulysses {ulysses})" if strategy == "usp" else strategy
 
 

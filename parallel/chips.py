@@ -3,7 +3,10 @@
 Sources: Google Cloud TPU system-architecture pages for each generation (HBM, bf16
 peak, ICI bandwidth), "How to Scale Your Model" (the JAX scaling book, TPU chapter) for
 per-link ICI figures, and NVIDIA's H100/H200 data sheets (SXM, dense bf16, NVLink 4).
-HBM is the capacity XLA can allocate (v5p: 95.74 GB of 96 GB); `hbm_bytes_per_s` its
+HBM is the capacity XLA can allocate (v5p: 95.74 GiB, as XLA's TPU compiler prints it in
+its out-of-memory messages, "Used 97.24G of 95.74G hbm", in binary units: tsl's
+HumanReadableNumBytes, 1G = 2**30; benchmarks/data/planner_grid.jsonl stores that capacity
+as 102,800,042,230 bytes); `hbm_bytes_per_s` its
 bandwidth (the same pages: v4 1228, v5e 819, v5p 2765, v6e 1640, Ironwood 7380 GB/s).
 `link_bytes_per_s` is the one-way bandwidth of one chip-to-neighbour link (the ring's
 unit); `links` is how many such links a chip drives at once in a torus (or NVLink ports to
@@ -25,6 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 
 GB = 10**9
+GIB = 2**30
 GBIT = 10**9 / 8   # bytes per second in one Gb/s
 
 
@@ -55,7 +59,7 @@ CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
     Chip("v4", 32 * GB, 275e12, 45e9, 6, 100 * GB, ("TPU v4",), 1228 * GB),
     Chip("v5e", 16 * GB, 197e12, 45e9, 4, 48 * GB, ("TPU v5 lite", "TPU v5e"), 819 * GB,
          dcn_bytes_per_s=25 * GBIT),
-    Chip("v5p", 95.74 * GB, 459e12, 90e9, 6, 112 * GB, ("TPU v5p", "TPU v5"), 2765 * GB,
+    Chip("v5p", 95.74 * GIB, 459e12, 90e9, 6, 112 * GB, ("TPU v5p", "TPU v5"), 2765 * GB,
          dcn_bytes_per_s=50 * GBIT),
     Chip("v6e", 32 * GB, 918e12, 90e9, 4, 180 * GB, ("TPU v6 lite", "TPU v6e"), 1640 * GB,
          dcn_bytes_per_s=100 * GBIT),

@@ -50,6 +50,7 @@ class Dims:
     layers: int
     remat: str      # remat.policy
     context_kept: bool  # the policy keeps attention's results (named `context`)
+    window: int | None = None  # sliding-window layers' window (None: global attention)
 
     @property
     def s_l(self) -> int:

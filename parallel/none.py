@@ -12,8 +12,9 @@ class NoContextParallel(ContextStrategy):
     name = "none"
     simplicity = 0
 
-    def local_attention(self, q, k, v, positions, segment_ids):
-        return self.kernel(q, k, v, positions, positions, segment_ids, segment_ids)
+    def local_attention(self, q, k, v, positions, segment_ids, window=None):
+        return self.kernel(q, k, v, positions, positions, segment_ids, segment_ids,
+                           window=window)
 
     @classmethod
     def planned_ulysses_degree(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> int:

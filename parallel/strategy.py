@@ -1,6 +1,7 @@
 """The one interface every context-parallel strategy implements.
 
-The model calls `strategy.attend(q, k, v, positions, segment_ids)` with global-shape,
+The model calls `strategy.attend(q, k, v, positions, segment_ids, window=...)` with
+global-shape,
 mesh-sharded arrays ([batch, seq, heads, head_dim]). `attend` enters a shard_map over the
 whole mesh (kernels such as Mosaic's must run inside one) and hands each device its
 shard: a strategy only writes `local_attention`, deciding how the device's chunk of the
@@ -11,6 +12,7 @@ planner what that costs per device.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, ClassVar
 
@@ -120,14 +122,16 @@ class ContextStrategy:
         return load_balanced_order(seq_len, self.context)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-               segment_ids: jax.Array) -> jax.Array:
+               segment_ids: jax.Array, *, window: int | None = None) -> jax.Array:
         """Causal attention of the stored batch; `positions` (RoPE's, restarting in every
         document) only give the shape: the kernels mask by each token's index in the
         sequence, which orders the tokens of a document alike (segment ids keep documents
         apart) and runs contiguously through the chunks of the stored order, so kernels
-        can classify whole blocks (splash needs that)."""
+        can classify whole blocks (splash needs that). `window`: sliding-window attention
+        (kernels/masks.py; index differences within a document are position
+        differences, so the window is the same); None: global."""
         per_device = jax.shard_map(
-            self.local_attention, mesh=self.mesh,
+            functools.partial(self.local_attention, window=window), mesh=self.mesh,
             in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, TOKENS_SPEC, TOKENS_SPEC),
             out_specs=HEADS_SPEC, check_vma=False)
         return per_device(q, k, v, self.sequence_indices(positions.shape), segment_ids)
@@ -152,16 +156,17 @@ class ContextStrategy:
         return jax.lax.with_sharding_constraint(
             w, NamedSharding(self.mesh, gathered_spec(self.mesh, axes, w.shape)))
 
-    def local_attention(self, q, k, v, positions, segment_ids):
-        """One device's work: its [b, s/context, heads/tensor, d] chunk of q, k, v."""
+    def local_attention(self, q, k, v, positions, segment_ids, window=None):
+        """One device's work: its [b, s/context, heads/tensor, d] chunk of q, k, v, with
+        sliding `window` (None: global)."""
         raise NotImplementedError
 
     def kernel(self, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-               return_lse=False, layout=kernels.TOKENS_MAJOR):
+               return_lse=False, layout=kernels.TOKENS_MAJOR, window=None):
         return kernels.attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
                                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                                  causal=True, return_lse=return_lse, layout=layout,
-                                 **self.kernel_options)
+                                 window=window, **self.kernel_options)
 
 
 def query_residuals(dm: Dims) -> float:

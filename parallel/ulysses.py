@@ -69,13 +69,13 @@ class Ulysses(ContextStrategy):
     def kernel_lengths(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> tuple[int, int]:
         return recipe.data.seq_len, recipe.data.seq_len
 
-    def local_attention(self, q, k, v, positions, segment_ids):
+    def local_attention(self, q, k, v, positions, segment_ids, window=None):
         seq_len = positions.shape[1] * jax.lax.axis_size(CONTEXT_AXIS)
-        layout = kernels.native_layout(seq_len, seq_len, **self.kernel_options)
+        layout = kernels.native_layout(seq_len, seq_len, window=window, **self.kernel_options)
 
         def attend(q, k, v, positions, segment_ids):
             return self.kernel(q, k, v, positions, positions, segment_ids, segment_ids,
-                               layout=layout)
+                               layout=layout, window=window)
 
         return ulysses_attention(q, k, v, positions, segment_ids, CONTEXT_AXIS, attend, layout)
 
@@ -106,6 +106,13 @@ class Ulysses(ContextStrategy):
     @classmethod
     def traffic(cls, dm: Dims) -> Traffic:
         return ulysses_traffic(dm)
+
+
+def all_to_all_local_side(dm: Dims) -> float:
+    """The all-to-alls' local side: the device's own tokens for all its heads, q, out,
+    dout (compute dtype) and f32 dq; k, v (KV heads repeated up to the degree: at u = 32
+    and 8 KV heads, 4x their size) and their f32 gradients."""
+    return dm.b * dm.s_l * dm.d * (dm.h * (3 * dm.p + F32) + 2 * dm.kv_repeated * (dm.p + F32))
 
 
 def ulysses_traffic(dm: Dims) -> Traffic:

@@ -38,7 +38,11 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        return _first_member(key, value, [a for a in args if a is not type(None)])
+        members = [a for a in args if a is not type(None)]
+        # A mapping only fits a dict member and a scalar only the others (e.g. a strategy
+        # name or a map of them): the error is that member's own.
+        fitting = [a for a in members if (typing.get_origin(a) is dict) == isinstance(value, dict)]
+        return _first_member(key, value, fitting or members)
     if origin is Literal:
         if value not in args:
             raise RecipeError(f"recipe key '{key}': got {value!r}; allowed: "

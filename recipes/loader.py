@@ -19,8 +19,9 @@ from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError, token_f
 
 from .coerce import build, coerce
 from .mesh_checks import validate_mesh
-from .schema import (MODEL_PRESETS, REMAT_TENSORS, ROPE_KEYS, DataConfig, ModelConfig, Recipe,
-                     RecipeError, require)
+from .schema import (LAYER_KINDS, MODEL_PRESETS, REMAT_TENSORS, ROPE_KEYS,
+                     SLIDING_ONLY_STRATEGIES, DataConfig, ModelConfig, Recipe, RecipeError,
+                     require)
 
 DEFAULT_RECIPE = "tiny"
 
@@ -158,6 +159,7 @@ def validate(recipe: Recipe, reads_data: bool = True) -> None:
         require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be positive")
     require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even for RoPE")
     _validate_rope(m)
+    _validate_layer_pattern(m)
     require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
              f"must divide model.n_heads ({m.n_heads})")
     require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be positive")
@@ -175,6 +177,7 @@ def validate(recipe: Recipe, reads_data: bool = True) -> None:
              "must be positive")
     require(d.batch_size % t.grad_accum_steps == 0, "data.batch_size", d.batch_size,
              f"must be divisible by train.grad_accum_steps ({t.grad_accum_steps})")
+    _validate_layer_strategies(recipe)
     validate_mesh(recipe)
     _validate_remat(recipe)
     require(recipe.attention.block_q > 0, "attention.block_q", recipe.attention.block_q,
@@ -229,6 +232,66 @@ def _validate_rope(m: ModelConfig) -> None:
         require(scaling.beta_fast > scaling.beta_slow, "model.rope_scaling.beta_fast",
                  scaling.beta_fast,
                  f"must exceed model.rope_scaling.beta_slow ({scaling.beta_slow})")
+
+
+def _validate_layer_pattern(m: ModelConfig) -> None:
+    """Every group has a count, a sliding one its window, and the groups of one kind agree
+    (a kind's layers share one attend and one set of rotary tables)."""
+    if m.layer_pattern is None:
+        return
+    require(len(m.layer_pattern) > 0, "model.layer_pattern", [],
+            "give at least one {kind, count} group, or null (every layer global)")
+    for i, group in enumerate(m.layer_pattern):
+        key = f"model.layer_pattern[{i}]"
+        require(group.count >= 1, f"{key}.count", group.count, "must be >= 1 (layers in the group)")
+        if group.kind == "sliding":
+            require(group.window is not None and group.window >= 1, f"{key}.window",
+                    group.window, "a sliding group needs a window >= 1 (tokens each query "
+                                  "sees, itself included, e.g. 4096)")
+        else:
+            require(group.window is None, f"{key}.window", group.window,
+                    "only sliding groups take a window; remove it, or set kind: sliding")
+        require(group.rope_theta is None or group.rope_theta > 0, f"{key}.rope_theta",
+                group.rope_theta, "must be positive, or null (model.rope_theta)")
+        first = m.layer_group(group.kind)
+        for name in ("window", "rope_theta"):
+            require(getattr(group, name) == getattr(first, name), f"{key}.{name}",
+                    getattr(group, name), f"the {group.kind} layers share one {name}, and an "
+                    f"earlier {group.kind} group gives {getattr(first, name)!r}; make them equal")
+
+
+def _validate_layer_strategies(recipe: Recipe) -> None:
+    """parallel.strategy, one name or a map kind -> name, gives every layer kind of the
+    model a strategy that can run it."""
+    strategy, kinds = recipe.parallel.strategy, set(recipe.model.layer_kinds())
+    if isinstance(strategy, dict):
+        for kind, name in strategy.items():
+            key = f"parallel.strategy.{kind}"
+            require(kind in LAYER_KINDS, key, name,
+                    f"unknown layer kind; the kinds are {', '.join(LAYER_KINDS)}")
+            require(kind in kinds, key, name,
+                    f"the model has no {kind} layers (model.layer_pattern over model.layers "
+                    f"{recipe.model.layers}); remove the key")
+            require(name != "auto", key, name,
+                    "auto picks one strategy for every layer: set parallel.strategy=auto "
+                    "as a whole, or name a strategy for each kind")
+        missing = sorted(kinds - set(strategy))
+        require(not missing, "parallel.strategy", strategy,
+                f"names no strategy for the {', '.join(missing)} layers; add "
+                f"{missing[0] if missing else ''}: <strategy>, or give one name for every layer")
+    if isinstance(strategy, dict) and recipe.parallel.ulysses > 1:
+        # usp splits mesh.context into ring x all-to-all axes; the others (halo aside, which
+        # exchanges over both) would see only the ring's part of the sequence split.
+        for kind, name in strategy.items():
+            require(name in ("usp", *SLIDING_ONLY_STRATEGIES), f"parallel.strategy.{kind}",
+                    name, f"parallel.ulysses {recipe.parallel.ulysses} is usp's split of "
+                    f"mesh.context, which {name} does not run on; use usp for every kind "
+                    f"(halo may stay on sliding layers), or parallel.ulysses=1")
+    for kind, name in recipe.parallel.by_kind(kinds).items():
+        require(kind != "global" or name not in SLIDING_ONLY_STRATEGIES,
+                "parallel.strategy" + (f".{kind}" if isinstance(strategy, dict) else ""), name,
+                f"{name} runs sliding-window layers only, and the model has global layers; "
+                f"give them another, e.g. parallel.strategy={{global: ring, sliding: {name}}}")
 
 
 def _validate_source(recipe: Recipe, key: str = "data") -> None:

@@ -25,7 +25,7 @@ def validate_mesh(recipe: Recipe) -> None:
     if recipe.mesh.context != -1:
         _check_strategy_splits(recipe, recipe.mesh.context)
     require(p.ulysses >= 1, "parallel.ulysses", p.ulysses, "must be >= 1")
-    if p.strategy != "usp":
+    if "usp" not in [name for _, name in p.keyed_names()]:
         require(p.ulysses == 1, "parallel.ulysses", p.ulysses,
                  f"only used with parallel.strategy=usp (strategy is '{p.strategy}')")
 
@@ -33,15 +33,15 @@ def validate_mesh(recipe: Recipe) -> None:
 def _check_strategy_splits(recipe: Recipe, context: int) -> None:
     """Strategy 'none' keeps whole sequences (context 1); every other one but auto splits
     them, so one chip in the context axis would make it a silent no-op."""
-    strategy = recipe.parallel.strategy
-    if strategy == "none":
-        require(context == 1, "mesh.context", context,
-                 "parallel.strategy 'none' needs mesh.context = 1; pick a context-parallel "
-                 "strategy (all_gather, ulysses, ring, usp, auto)")
-    elif strategy != "auto":
-        require(context > 1, "parallel.strategy", strategy,
-                 f"splits the sequence over mesh.context, which is {context}; set "
-                 f"mesh.context >= 2, or parallel.strategy=none")
+    for key, strategy in recipe.parallel.keyed_names():
+        if strategy == "none":
+            require(context == 1, "mesh.context", context,
+                     f"{key} 'none' needs mesh.context = 1; pick a context-parallel "
+                     f"strategy (all_gather, ulysses, ring, usp, auto)")
+        elif strategy != "auto":
+            require(context > 1, key, strategy,
+                     f"splits the sequence over mesh.context, which is {context}; set "
+                     f"mesh.context >= 2, or {key}=none")
 
 
 def resolve_mesh(recipe: Recipe, device_count: int) -> dict[str, int]:

@@ -42,8 +42,9 @@ def _rows(cls: type, prefix: str) -> list[str]:
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         key, hint = f"{prefix}{field.name}", hints[field.name]
-        section = _section(hint)
-        listed = typing.get_origin(hint) is list  # e.g. data.sources: data.sources[].path
+        bare = _without_null(hint)
+        section = _section(bare)
+        listed = typing.get_origin(bare) is list  # e.g. data.sources: data.sources[].path
         type_name = _type_name(hint)
         if section:
             type_name = "list of sections, below" if listed else "section, below"
@@ -51,6 +52,13 @@ def _rows(cls: type, prefix: str) -> list[str]:
         if section:
             rows += _rows(section, key + ("[]." if listed else "."))
     return rows
+
+
+def _without_null(hint):
+    """X of `X | None` (e.g. model.layer_pattern's list), else the hint."""
+    members = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return members[0] if optional and len(members) == 1 else hint
 
 
 def _section(hint) -> type | None:

@@ -59,7 +59,12 @@ REMAT_TENSORS = (
 
 # The context-parallel strategies, as parallel/__init__.py registers them (it asserts
 # that they agree: that registry needs jax, which this module must not import), and auto.
-STRATEGIES = ("none", "all_gather", "ulysses", "ring", "usp", "auto")
+STRATEGIES = ("none", "all_gather", "ulysses", "ring", "usp", "halo", "auto")
+# Strategies that only run sliding-window layers (their attend refuses window=None).
+SLIDING_ONLY_STRATEGIES = ("halo",)
+
+# The kinds of attention layer model.layer_pattern mixes; a model without one is all global.
+LAYER_KINDS = ("global", "sliding")
 
 
 @dataclass
@@ -82,6 +87,23 @@ class RopeScalingConfig:
     attention_factor: float | None = option(
         None, "yarn: scale of cos and sin; null takes 0.1 * ln(factor) + 1.")
     truncate: bool = option(True, "yarn: round the ramp's ends to whole dimensions.")
+
+
+@dataclass
+class LayerGroupConfig:
+    """One group of model.layer_pattern: `count` consecutive layers of one kind."""
+    kind: Literal["global", "sliding"] = option(
+        "global", "global: causal attention over the whole sequence (as without a pattern); "
+                  "sliding: each query sees only the `window` latest tokens of its document, "
+                  "itself included (transformers' sliding_window).")
+    count: int = option(1, "Consecutive layers of this kind.")
+    window: int | None = option(
+        None, "sliding only, and required there: key j is seen by query i iff position(i) - "
+              "position(j) < window. Every group of one kind gives the same window.")
+    rope_theta: float | None = option(
+        None, "RoPE base frequency of this kind's layers (Gemma 3: 10000 on sliding layers, "
+              "1e6 on global ones); null takes model.rope_theta. model.rope_scaling applies "
+              "to every kind.")
 
 
 @dataclass
@@ -115,6 +137,28 @@ class ModelConfig:
     dtype: Literal["bfloat16", "float32"] = option(
         "bfloat16", "Compute dtype; master weights and optimizer state stay float32.")
     norm_eps: float | None = option(None, "RMSNorm epsilon.")
+    layer_pattern: list[LayerGroupConfig] | None = option(
+        None, "Mixed attention layers (Gemma 3: 5 sliding, 1 global): a list of {kind, count, "
+              "window, rope_theta} groups, keys below, repeated from the first layer over "
+              "model.layers (a last, partial repeat takes the pattern's first layers); null: "
+              "every layer global. Layers stay scanned: compile time grows with the pattern's "
+              "length, not with depth.")
+
+    def pattern_kinds(self) -> list[str]:
+        """One repeat of model.layer_pattern, a kind per layer (global without one)."""
+        return [group.kind for group in self.layer_pattern or ()
+                for _ in range(group.count)] or ["global"]
+
+    def layer_kinds(self) -> list[str]:
+        """The kind of every layer, first to last: the pattern repeated over model.layers."""
+        pattern = self.pattern_kinds()
+        return [pattern[i % len(pattern)] for i in range(self.layers)]
+
+    def layer_group(self, kind: str) -> LayerGroupConfig:
+        """The settings (window, rope_theta) of `kind`'s layers: its first group's, which
+        every other group of the kind repeats (checked at load)."""
+        return next((group for group in self.layer_pattern or () if group.kind == kind),
+                    LayerGroupConfig(kind=kind))
 
     @property
     def name(self) -> str:
@@ -231,12 +275,26 @@ class MeshConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: Literal[STRATEGIES] = option(
+    strategy: Literal[STRATEGIES] | dict[str, Literal[STRATEGIES]] = option(
         "none", "Context-parallel strategy; 'none' needs mesh.context == 1, the others but "
-                "auto mesh.context >= 2.")
+                "auto mesh.context >= 2. With model.layer_pattern, a strategy for every "
+                "layer kind, e.g. {global: ring, sliding: halo} (halo runs sliding layers "
+                "only; auto only as a single name, for every layer); one name serves all.")
     load_balance: bool = option(
         True, "Reorder the sequence once on input so causal work is even across context ranks.")
     ulysses: int = option(1, "usp only: Ulysses degree inside mesh.context (ring gets the rest).")
+
+    def by_kind(self, kinds) -> dict[str, str]:
+        """The strategy name of each of the layer `kinds` (one name serves them all)."""
+        if isinstance(self.strategy, dict):
+            return {kind: self.strategy[kind] for kind in kinds if kind in self.strategy}
+        return {kind: self.strategy for kind in kinds}
+
+    def keyed_names(self) -> list[tuple[str, str]]:
+        """(recipe key, strategy name) of every strategy the recipe names."""
+        if isinstance(self.strategy, dict):
+            return [(f"parallel.strategy.{kind}", name) for kind, name in self.strategy.items()]
+        return [("parallel.strategy", self.strategy)]
 
 
 @dataclass

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lctrain.kernels import attention
+from lctrain.kernels import TOKENS_MAJOR, attention, row_dot
 from reference import dense_attention, merge_partials
 
 # f32: max abs error bound for out, lse, dq, dk, dv (measured <= 3e-6).
@@ -49,15 +49,15 @@ def _normal(rng, shape, dtype=jnp.float32):
 
 
 def _kernel_and_reference(q, k, v, qp, kp, qs, ks, cot_out, cot_lse, *, impl, causal, block_q,
-                          block_kv):
+                          block_kv, window=None):
     """[(out, lse, dq, dk, dv) of `impl`, the same of the dense reference]."""
     def kernel(q, k, v):
         return attention(q, k, v, q_positions=qp, kv_positions=kp, q_segment_ids=qs,
                          kv_segment_ids=ks, causal=causal, impl=impl, block_q=block_q,
-                         block_kv=block_kv, return_lse=True)
+                         block_kv=block_kv, return_lse=True, window=window)
 
     def reference(q, k, v):
-        return dense_attention(q, k, v, qp, kp, qs, ks, causal)
+        return dense_attention(q, k, v, qp, kp, qs, ks, causal, window)
 
     results = []
     for fn in (kernel, reference):
@@ -110,12 +110,14 @@ class KernelCase:
         return (rng.standard_normal((self.b, self.s, self.hq, self.d), dtype=np.float32),
                 rng.standard_normal((self.b, self.hq, self.s), dtype=np.float32))
 
-    def run(self, q, k, v, qp, kp, qs, ks, *, causal=True, seed=0, cotangents=None):
-        """(got, want): dicts name -> f32 NumPy array, kernel and reference."""
+    def run(self, q, k, v, qp, kp, qs, ks, *, causal=True, seed=0, cotangents=None,
+            window=None):
+        """(got, want): dicts name -> f32 NumPy array, kernel and reference (sliding
+        `window`: kernels/masks.py)."""
         cot_out, cot_lse = self.cotangents(seed) if cotangents is None else cotangents
         got, want = compiled(_kernel_and_reference, q, k, v, qp, kp, qs, ks, cot_out, cot_lse,
                              impl=self.impl, causal=causal, block_q=self.block,
-                             block_kv=self.block_kv or self.block)
+                             block_kv=self.block_kv or self.block, window=window)
         assert [x.dtype for x in got] == [q.dtype, jnp.float32, q.dtype, k.dtype, v.dtype]
         return ({n: np.asarray(x, np.float32) for n, x in zip(NAMES, got)},
                 {n: np.asarray(x, np.float32) for n, x in zip(NAMES, want)})
@@ -174,7 +176,8 @@ def kv_halves(q, k, v, pos, seg, cot_out, cot_lse, *, kernel, block):
     reference_no_dlse = (out, lse, *vjp((cot_out, jnp.zeros_like(cot_lse))))
 
     out, lse = kernel.flash_attention(q, k, v, pos, pos, seg, seg, **blocks)
-    grads = [kernel.flash_attention_backward(q, kh, vh, out, lse, cot_out, pos, ph, seg, sh,
+    delta = row_dot(out, cot_out, TOKENS_MAJOR)
+    grads = [kernel.flash_attention_backward(q, kh, vh, delta, lse, cot_out, pos, ph, seg, sh,
                                              causal=True, **blocks)
              for kh, vh, ph, sh in zip(*halves)]
     (dq0, dk0, dv0), (dq1, dk1, dv1) = grads
@@ -213,7 +216,8 @@ def compiled_for_four_v5p_chips(kernel, check_vma):
         def fn(q, k, v):
             return kernel.flash_attention(q, k, v, pos, pos, seg, seg, **options)
         (out, lse), vjp = jax.vjp(fn, q, k, v)
-        block_grads = kernel.flash_attention_backward(q, k, v, out, lse, cot_out, pos, pos,
+        delta = row_dot(out, cot_out, TOKENS_MAJOR)
+        block_grads = kernel.flash_attention_backward(q, k, v, delta, lse, cot_out, pos, pos,
                                                       seg, seg, **options)
         return out, lse, *vjp((cot_out, cot_lse)), *block_grads
 

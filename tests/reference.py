@@ -15,12 +15,13 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def dense_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                    causal=True):
+                    causal=True, window=None):
     """Returns (out [b, sq, hq, d] f32, lse [b, hq, sq] f32).
 
     q: [b, sq, hq, d]; k, v: [b, skv, hkv, d]; query head i uses kv head
     i // (hq // hkv). Query i attends key j iff the segment ids match and (if
-    causal) q_positions[i] >= kv_positions[j]. Rows with no allowed key:
+    causal) q_positions[i] >= kv_positions[j] and (with a sliding window)
+    q_positions[i] - kv_positions[j] < window. Rows with no allowed key:
     out = 0, lse = -inf.
     """
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
@@ -33,6 +34,8 @@ def dense_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     allowed = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     if causal:
         allowed = allowed & (q_positions[:, :, None] >= kv_positions[:, None, :])
+    if window is not None:
+        allowed = allowed & (q_positions[:, :, None] - kv_positions[:, None, :] < window)
     allowed = allowed[:, None]  # [b, 1, sq, skv], broadcast over heads
 
     # Softmax written out so that empty rows give 0 / -inf with zero gradients.

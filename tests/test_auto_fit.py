@@ -133,12 +133,14 @@ def test_fallbacks_follow_the_recommendation_on_what_is_left():
     from lctrain.parallel.auto import ranked
     from lctrain.parallel.chips import CHIPS
 
+    # With the MLP in chunks each strategy's attention sets its peak.
     recipe = load_recipe(None, ["model.preset=llama3.1-8b", "data.seq_len=229376",
                                 "data.batch_size=1", "mesh.data=1", "mesh.context=4",
-                                "parallel.strategy=auto"])
+                                "parallel.strategy=auto", "remat.mlp_chunk_tokens=16384"])
     sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
-    # all_gather's estimate (92.5 GB) does not fit in 90% of 102 GB, the others' (91.1) do
-    chip = dataclasses.replace(CHIPS["v5p"], hbm_bytes=102e9)
+    # all_gather's estimate (100.3 GB) does not fit in 90% of 110 GB, the others' (95.8-97.6)
+    # do
+    chip = dataclasses.replace(CHIPS["v5p"], hbm_bytes=110e9)
     result = planner.plan(recipe, chip, sizes, "tpu")
     order = ranked(result.plans)
     assert order[0] is result.choice and sorted(map(id, order)) == sorted(map(id, result.plans))

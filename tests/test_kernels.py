@@ -361,7 +361,7 @@ def test_unknown_impl_and_bad_shapes_raise():
 def test_block_backward_with_merged_statistics_sums_to_the_full_gradient():
     """Splitting kv in two and calling the block backward with the FULL out/lse for each
     half gives the gradient of attention over the whole kv (what ring attention does)."""
-    from lctrain.kernels import attention_block_backward
+    from lctrain.kernels import TOKENS_MAJOR, attention_block_backward, row_dot
 
     rng = np.random.default_rng(3)
     b, s, hq, hkv, d = 1, 32, 4, 2, 8
@@ -377,7 +377,8 @@ def test_block_backward_with_merged_statistics_sums_to_the_full_gradient():
                                                kv_segment_ids=seg, **common), q, k, v)
     dq_full, dk_full, dv_full = vjp(dout)
     halves = [slice(0, s // 2), slice(s // 2, s)]
-    parts = [attention_block_backward(q, k[:, h], v[:, h], out, lse, dout,
+    parts = [attention_block_backward(q, k[:, h], v[:, h], row_dot(out, dout, TOKENS_MAJOR),
+                                      lse, dout,
                                       kv_positions=pos[:, h], kv_segment_ids=seg[:, h], **common)
              for h in halves]
     np.testing.assert_allclose(parts[0][0] + parts[1][0], dq_full, atol=1e-5)

@@ -43,7 +43,8 @@ def test_heads_major_call_is_the_transposed_tokens_major_call(impl):
         grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(
             *map(convert, (q, k, v)))
         block = kernels.attention_block_backward(
-            *map(convert, (q, k, v)), out, lse, convert(dout), **{
+            *map(convert, (q, k, v)), kernels.row_dot(out, convert(dout), layout), lse,
+            convert(dout), **{
                 key: value for key, value in options.items() if key != "return_lse"},
             layout=layout)
         return [convert(out), lse, *map(convert, grads), *map(convert, block)]

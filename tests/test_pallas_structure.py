@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from lctrain.kernels.pallas_schedule import pair_visibility
-from lctrain.kernels.pallas_structure import (copy_figures, matmuls_per_block_pair,
-                                              schedule, walk)
+from lctrain.kernels.pallas_structure import (copy_figures, kv_copy_figures,
+                                              matmuls_per_block_pair, schedule, walk)
+from lctrain.parallel import halo
 from lctrain.parallel.strategy import load_balanced_order
 
 BLOCK = 32
@@ -67,17 +68,36 @@ def _layout(case):
         q_pos, q_seg = _load_balanced(4, 4 * s, 0, packed=True)
         kv_pos, kv_seg = _load_balanced(4, 4 * s, None, packed=True)
         return q_pos, kv_pos, q_seg, kv_seg, True
+    if case == "window":  # packed documents, sequence indices
+        pos, seg = _packed_segments(s, 4, 3, restart_positions=False)
+        return pos, pos, seg, seg, True
+    if case == "window_load_balanced_gathered":
+        return _layout("load_balanced_gathered")[:5]
+    if case == "window_halo":  # halo: chunk 1's keys are its padded halo, then itself
+        pad = -(WINDOW - 1) % BLOCK
+        kv_pos = np.r_[[halo.PAD_POSITION] * pad, np.arange(s - WINDOW + 1, 2 * s)][None]
+        kv_seg = np.r_[[halo.PAD_SEGMENT] * pad, np.zeros(WINDOW - 1 + s)][None]
+        return kv_pos[:, -s:], kv_pos, one, kv_seg.astype(np.int32), True
     raise ValueError(case)
 
 
+# Sliding window (kernels/masks.py) of 100 tokens: not a multiple of the 32-token blocks.
+WINDOW = 100
+WINDOW_CASES = ["window", "window_load_balanced_gathered", "window_halo"]
 CASES = ["causal", "full", "packed", "ring_earlier_chunk", "ring_diagonal",
-         "load_balanced_local", "load_balanced_ring_step", "load_balanced_gathered"]
+         "load_balanced_local", "load_balanced_ring_step", "load_balanced_gathered",
+         *WINDOW_CASES]
 
 
-def _visible_pairs(pb, prefetch, causal):
+def _schedule(case):
+    window = WINDOW if case in WINDOW_CASES else None
+    return schedule(*_layout(case), heads=HQ, kv_heads=HKV, block=BLOCK, window=window)
+
+
+def _visible_pairs(pb, prefetch, causal, window):
     some, _ = pair_visibility(prefetch.q_bounds, prefetch.kv_bounds, 0,
                               jnp.arange(pb.nq)[:, None], jnp.arange(pb.nkv)[None, :],
-                              pb.nq, pb.nkv, causal)
+                              pb.nq, pb.nkv, causal, window)
     return np.asarray(some)
 
 
@@ -88,7 +108,7 @@ def test_skipped_blocks_are_not_copied(case, grid_kind):
     delta, q id rows): copies == computed steps - reuses, for every operand; each
     visible (q block, kv block) pair is computed exactly once per query head. (The
     backward's dq blocks move by manual DMA, once each way per computed step.)"""
-    sched = schedule(*_layout(case), heads=HQ, kv_heads=HKV, block=BLOCK)
+    sched = _schedule(case)
     ids, step, computed, specs = walk(sched, grid_kind)
 
     visible = _visible_pairs(*sched)
@@ -103,6 +123,21 @@ def test_skipped_blocks_are_not_copied(case, grid_kind):
     for spec in operands:
         figures = copy_figures(spec, ids, sched.prefetch, computed)
         assert figures.copies == figures.computed - figures.reuses, figures
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_window_computes_and_copies_only_the_band(case):
+    """With window 100 in 32-blocks a q block computes at most ceil(100 / 32) + 1 = 5
+    kv blocks (the band behind its diagonal), against up to every earlier block without
+    the window; the forward copies K (and V) once per computed pair, less reuses."""
+    sched = _schedule(case)
+    band = -(-WINDOW // BLOCK) + 1
+    per_q_block = _visible_pairs(*sched).sum(axis=1)
+    unwindowed = _visible_pairs(*sched._replace(window=None)).sum(axis=1)
+    assert per_q_block.max() <= band < unwindowed.max()
+    figures = kv_copy_figures(sched)
+    assert figures.computed == HQ * per_q_block.sum()
+    assert figures.copies == figures.computed - figures.reuses, figures
 
 
 def test_backward_matmuls_per_block_pair():

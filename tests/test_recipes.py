@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli.main import app
 from lctrain.recipes import RecipeError, check_against_devices, load_recipe
-from lctrain.recipes.schema import SourceConfig
+from lctrain.recipes.schema import LayerGroupConfig, SourceConfig
 
 from make_hf_model import LLAMA31_8B_CONFIG
 
@@ -152,6 +152,8 @@ def test_shipped_recipes_load_with_every_value_they_set(path, tmp_path):
                 continue
             if key == "sources":
                 value = [SourceConfig(**source) for source in value]
+            if key == "layer_pattern":
+                value = [LayerGroupConfig(**group) for group in value]
             if isinstance(value, dict) and key == "rope_scaling":
                 assert all(getattr(recipe.model.rope_scaling, k) == v for k, v in value.items())
                 continue

@@ -30,9 +30,11 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore(self, abstract_state: TrainState) -> tuple[TrainState, int]:
-        """The latest complete checkpoint as (state, index of the next data batch)."""
-        step = self.manager.latest_step()
+    def restore(self, abstract_state: TrainState,
+                step: int | None = None) -> tuple[TrainState, int]:
+        """Checkpoint `step` (default: the latest complete one) as (state, index of the next
+        data batch), into the shardings of `abstract_state`."""
+        step = self.manager.latest_step() if step is None else step
         with self._reading(step):
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
@@ -50,6 +52,13 @@ class Checkpointer:
                                              restore_args={"params": restore_args},
                                              partial_restore=True)))
         return restored.state["params"]
+
+    def saved_shapes(self, step: int) -> dict:
+        """The train state of checkpoint `step` as a tree of orbax's array metadata (shape,
+        dtype; no array is read): {'step': ..., 'params': ..., 'opt_state': ...}."""
+        with self._reading(step):
+            return ocp.StandardCheckpointHandler().metadata(
+                self.directory / str(step) / "state").tree
 
     @contextmanager
     def _reading(self, step: int):
@@ -83,3 +92,16 @@ class Checkpointer:
         """Waits for the async save in flight, so the process never exits mid-write."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def saved_steps(directory: Path) -> list[int]:
+    """The complete checkpoints in `directory`, oldest first; none where it does not exist.
+    Creates nothing, so a mistyped path stays absent."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        return []
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        return sorted(manager.all_steps())
+    finally:
+        manager.close()

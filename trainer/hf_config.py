@@ -100,6 +100,18 @@ def _rope(config: dict, source: Path) -> tuple[float, dict[str, Any]]:
     return theta, {"type": ROPE_TYPES[rope_type], **fields}
 
 
+def check_exportable(cfg: ModelConfig) -> None:
+    """RecipeError for a model whose layers a Llama/Mistral/Qwen2 config.json cannot
+    describe: one with sliding-window layers (model.layer_pattern). Checked before any
+    weight is read; exported anyway, a server would run every layer global."""
+    if cfg.layer_pattern is not None and set(cfg.layer_kinds()) != {"global"}:
+        raise RecipeError(
+            f"recipe key 'model.layer_pattern' = {[g.kind for g in cfg.layer_pattern]}: "
+            f"sliding-window layers have no place in a {cfg.family} config.json (its "
+            f"layers all attend globally); lctrain exports models whose layers are all "
+            f"global")
+
+
 def config_json(cfg: ModelConfig, seq_len: int, dtype: str,
                 special_tokens: dict[str, int] | None = None) -> dict[str, Any]:
     """The config.json of an exported model: its shapes and the RoPE it trained with."""

@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from lctrain.recipes.schema import Recipe
 
 from .hf_checkpoint import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
-from .hf_config import config_json
+from .hf_config import check_exportable, config_json
 from .safetensors_io import write_folder
 from .loop import mesh_for
 from .progress import Bar
@@ -35,6 +35,7 @@ def export_run(recipe: Recipe, run_dir: Path, out_dir: Path, step: int | None = 
                dtype: str = "bfloat16", console=None) -> tuple[list[str], str]:
     """A run's checkpoint (the latest, or `step`) as a Hugging Face folder; returns the
     files written and which checkpoint it was. Progress goes to `console`."""
+    check_exportable(recipe.model)
     mesh = mesh_for(recipe)
     params, origin = load_weights(recipe, build_trainable(recipe, mesh), run_dir, step,
                                   console)

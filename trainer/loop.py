@@ -15,8 +15,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from rich.console import Console
 
-from lctrain.parallel import (ContextStrategy, build_mesh, describe_devices, make_strategy,
-                              strategy_class)
+from lctrain.parallel import (LayerStrategies, build_mesh, describe_devices, make_strategy,
+                              strategy_classes)
 from lctrain.parallel.aot import abstract_batch, memory_stats
 from lctrain.parallel.auto import (CompiledNeed, first_that_fits, none_fits, refused_need,
                                    resolve_auto, strategy_name)
@@ -25,6 +25,7 @@ from lctrain.parallel.mesh import slice_count
 from lctrain.recipes import Recipe, RecipeError, check_against_devices
 
 from .checkpoint import Checkpointer
+from .init_from import InitFrom, checked_init_from, stage_start
 from .data import Batch, DataSource, make_source
 from .mixture import MixtureSource, long_token_share, tokens_per_source
 from .failures import DoesNotFit, RunFailure, is_out_of_memory, out_of_device_memory
@@ -44,16 +45,18 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
     eval.every in training) is checked at eval.seq_len."""
     devices = jax.devices() if devices is None else devices
     sizes, _ = resolve_strategy(recipe, devices, console)
-    strategy, platform = strategy_class(recipe), devices[0].platform
+    classes, platform = dict.fromkeys(strategy_classes(recipe).values()), devices[0].platform
     if platform == "cpu" and recipe.attention.impl in ("pallas", "splash") and console:
         console.print(f"note: attention.impl={recipe.attention.impl} runs in Pallas interpret "
                       f"mode on CPU: exact but slow (attention.impl=auto takes xla here)",
                       markup=False, soft_wrap=True)
     if not evaluating:
-        strategy.check(recipe, sizes, platform)
+        for strategy in classes:
+            strategy.check(recipe, sizes, platform)
     if evaluating or recipe.eval.every:
         try:
-            strategy.check(recipe.for_evaluation(), sizes, platform)
+            for strategy in classes:
+                strategy.check(recipe.for_evaluation(), sizes, platform)
         except RecipeError as err:  # the checks name data's keys; evaluation reads eval's
             if recipe.eval.seq_len is None:
                 raise
@@ -98,7 +101,7 @@ def _local(devices) -> list:
 class CompiledRun(NamedTuple):
     """A run's mesh, strategy and state, and its train step compiled once for them."""
     mesh: Mesh
-    strategy: ContextStrategy
+    strategy: LayerStrategies
     trainable: Trainable
     train_step: jax.stages.Compiled
     report: tuple[str, ...] = ()  # what compiling said: fall-backs, the compiled figure
@@ -189,13 +192,16 @@ def device_batch(source: DataSource, index: int, order: np.ndarray | None,
 
 
 def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
-          devices=None, memory_limit: int | None = None) -> list[dict]:
+          devices=None, memory_limit: int | None = None,
+          init_from: InitFrom | None = None) -> list[dict]:
     """Trains to recipe.train.steps on `devices` (default: all), resuming from run_dir's
     latest checkpoint; returns the metrics records it logged. `memory_limit` (bytes per
-    device) overrides the device's memory in compile_run's fit check."""
+    device) overrides the device's memory in compile_run's fit check. `init_from` starts a
+    new stage from another run's checkpoint (trainer/init_from.py)."""
     is_main = jax.process_index() == 0
     console = Console(quiet=True) if not is_main else console or Console()
     rerun_note = check_rerun(recipe, run_dir)
+    init_from = checked_init_from(init_from, recipe, run_dir, console)
     mesh, strategy, trainable, train_step, compile_report = compile_run(recipe, devices, console,
                                                                         memory_limit)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed,
@@ -209,7 +215,8 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     if is_main:
         (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     checkpointer = Checkpointer(run_dir / "checkpoints", recipe.checkpoint)
-    state, next_batch = _initial_state(recipe, trainable, checkpointer, console)
+    state, next_batch = (stage_start(init_from, recipe, trainable, run_dir, console) if init_from
+                         else _initial_state(recipe, trainable, checkpointer, console))
     if int(state.step) >= recipe.train.steps:
         checkpointer.close()
         console.print(f"run dir {run_dir} is finished: step {int(state.step)} of train.steps "

@@ -3,14 +3,17 @@ SwiGLU, and Qwen2's q/k/v biases.
 
 Every parameter carries `axes`, its logical axis names; `lctrain.parallel.sharding` maps
 them onto the mesh. Layers are stacked on a leading 'layers' axis and applied with
-`lax.scan`, so compile time does not grow with depth. Attention itself is a callable the
-caller passes in (the context-parallel strategy), so the model knows nothing of the mesh.
+`lax.scan`, so compile time does not grow with depth; with model.layer_pattern (global and
+sliding-window layers mixed) the scan steps over whole repeats of the pattern. Attention
+itself is a callable the caller passes in per layer kind (the context-parallel strategy,
+bound to the kind's window), so the model knows nothing of the mesh.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, Protocol
+from typing import Callable, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -100,10 +103,17 @@ def _yarn_frequencies(inv_freq: np.ndarray, head_dim: int, theta: float,
 
 
 def rotary_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [b, s, 1, d/2] of each token's true position, shared by all layers."""
+    """cos and sin [b, s, 1, d/2] of each token's true position, shared by all layers (of
+    a kind: see kind_config)."""
     inv_freq, scale = rope_frequencies(cfg)
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
     return (scale * jnp.cos(angles))[:, :, None, :], (scale * jnp.sin(angles))[:, :, None, :]
+
+
+def kind_config(cfg: ModelConfig, kind: str) -> ModelConfig:
+    """The model as one kind's layers see it: their model.layer_pattern rope_theta."""
+    theta = cfg.layer_group(kind).rope_theta
+    return cfg if theta is None else dataclasses.replace(cfg, rope_theta=theta)
 
 
 def apply_rope(x: jax.Array, rotary: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -220,31 +230,85 @@ class Transformer(nnx.Module):
             return self.embedding[...].T
         return self.unembedding[...]
 
-    def __call__(self, tokens, positions, segment_ids, *, attend: Attend,
+    def __call__(self, tokens, positions, segment_ids, *,
+                 attend: Attend | Mapping[str, Attend],
                  remat_policy: Callable | None = None,
                  split_tokens: Callable[[jax.Array], jax.Array] = lambda x: x,
                  mlp_chunks: TokenChunks | None = None,
                  gather_weight: GatherWeight = lambda w, axes: w) -> jax.Array:
         """Final (normalized) hidden states [b, s, d_model] in the compute dtype.
 
-        `split_tokens` pins a [b, s, ...] activation to the devices holding its tokens (the
-        strategy's sharding constraint); without it XLA may, e.g., build the rotary tables
-        for the whole sequence on every device. `mlp_chunks` runs each MLP one chunk of
-        tokens at a time (remat.mlp_chunk_tokens), with its weights from `gather_weight`."""
+        `attend` maps each layer kind to its attention (bound to the kind's window); one
+        callable serves a model whose layers are all global. `split_tokens` pins a
+        [b, s, ...] activation to the devices holding its tokens (the strategy's sharding
+        constraint); without it XLA may, e.g., build the rotary tables for the whole
+        sequence on every device. `mlp_chunks` runs each MLP one chunk of tokens at a time
+        (remat.mlp_chunk_tokens), with its weights from `gather_weight`."""
         dtype = jnp.dtype(self.cfg.dtype)
         x = split_tokens(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype))
-        rotary = tuple(map(split_tokens, rotary_tables(positions, self.cfg)))
+        kinds = self.cfg.layer_kinds()
+        attends = _attends_by_kind(attend, set(kinds))
+        rotary = {kind: tuple(map(split_tokens, rotary_tables(positions,
+                                                              kind_config(self.cfg, kind))))
+                  for kind in attends}
         graphdef, stacked = nnx.split(self.layers)
 
-        def one_layer(x, layer_state):
-            layer = nnx.merge(graphdef, layer_state)
-            return split_tokens(layer(x, positions, segment_ids, rotary, attend, mlp_chunks,
-                                      gather_weight)), None
+        def one_layer(kind: str) -> Callable:
+            def apply(x, layer_state):
+                layer = nnx.merge(graphdef, layer_state)
+                return split_tokens(layer(x, positions, segment_ids, rotary[kind],
+                                          attends[kind], mlp_chunks, gather_weight))
 
-        if remat_policy is not None:
-            one_layer = jax.checkpoint(one_layer, policy=remat_policy, prevent_cse=False)
-        x, _ = jax.lax.scan(one_layer, x, stacked)
+            if remat_policy is None:
+                return apply
+            return jax.checkpoint(apply, policy=remat_policy, prevent_cse=False)
+
+        layer_fns = {kind: one_layer(kind) for kind in attends}
+        period = kinds[:len(self.cfg.pattern_kinds())]  # all of them when fewer layers
+        x = scan_layers(x, stacked, [layer_fns[kind] for kind in period])
         return self.final_norm(x)
+
+
+def _attends_by_kind(attend: Attend | Mapping[str, Attend], kinds: set[str]) -> dict[str, Attend]:
+    if not isinstance(attend, Mapping):
+        if kinds != {"global"}:  # a bare attend knows no window
+            raise ValueError(f"the model has {', '.join(sorted(kinds))} layers: pass attend "
+                             f"as a map layer kind -> attend")
+        attend = {"global": attend}
+    missing = kinds - set(attend)
+    if missing:
+        raise ValueError(f"no attend for the {', '.join(sorted(missing))} layers")
+    return {kind: attend[kind] for kind in sorted(kinds)}
+
+
+def scan_layers(x: jax.Array, stacked: nnx.State, pattern: list[Callable]) -> jax.Array:
+    """Applies the stacked layers (leading 'layers' axis) in order, layer i with
+    pattern[i % len(pattern)] (x, layer i's state) -> x. Whole repeats of the pattern are
+    scanned, one per step (the body applies its layers in turn), so compile time grows with
+    the pattern, not with depth; the layers after the last whole repeat (a prefix of the
+    pattern) follow unscanned."""
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    period = len(pattern)
+    repeats = layers // period
+
+    def one_repeat(x, states):
+        for i, apply in enumerate(pattern):
+            x = apply(x, states if period == 1 else _layer(states, i))
+        return x, None
+
+    if repeats:
+        scanned = stacked if repeats * period == layers else jax.tree.map(
+            lambda p: p[:repeats * period], stacked)
+        if period > 1:
+            scanned = jax.tree.map(lambda p: p.reshape(repeats, period, *p.shape[1:]), scanned)
+        x, _ = jax.lax.scan(one_repeat, x, scanned)
+    for i in range(repeats * period, layers):
+        x = pattern[i - repeats * period](x, _layer(stacked, i))
+    return x
+
+
+def _layer(states: nnx.State, i: int) -> nnx.State:
+    return jax.tree.map(lambda p: p[i], states)
 
 
 def count_parameters(cfg: ModelConfig) -> int:

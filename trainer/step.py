@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from lctrain.parallel import ContextStrategy
+from lctrain.parallel import LayerStrategies
 from lctrain.parallel.sharding import batch_sharding, parameter_shardings, replicated
 from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import Recipe
@@ -109,8 +109,9 @@ def batch_shardings(mesh: Mesh) -> dict[str, Any]:
 
 
 def make_forward(recipe: Recipe, graphdef: nnx.GraphDef,
-                 strategy: ContextStrategy) -> Callable:
-    """(params, batch) -> (model, final hidden states [b, s, d]) under the strategy."""
+                 strategy: LayerStrategies) -> Callable:
+    """(params, batch) -> (model, final hidden states [b, s, d]) under the strategies (each
+    layer attends with its kind's)."""
     policy = remat_policy(recipe.remat)
 
     def forward(params, batch):
@@ -118,7 +119,7 @@ def make_forward(recipe: Recipe, graphdef: nnx.GraphDef,
         mlp_chunks = chunks_for(recipe.remat.mlp_chunk_tokens, batch["inputs"].shape[1],
                                 strategy.context)
         hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                       attend=strategy.attend, split_tokens=strategy.split_tokens,
+                       attend=strategy.attends, split_tokens=strategy.split_tokens,
                        remat_policy=policy, mlp_chunks=mlp_chunks,
                        gather_weight=strategy.gather_weight)
         return model, hidden
@@ -127,7 +128,7 @@ def make_forward(recipe: Recipe, graphdef: nnx.GraphDef,
 
 
 def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
-                   strategy: ContextStrategy) -> Callable:
+                   strategy: LayerStrategies) -> Callable:
     """(params, batch) -> (sum of token losses, LossAux(counted tokens, z-loss part)): the
     model and loss as the train step differentiates them."""
     forward = make_forward(recipe, graphdef, strategy)
@@ -141,7 +142,7 @@ def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
     return loss_sums
 
 
-def make_train_step(recipe: Recipe, trainable: Trainable, strategy: ContextStrategy,
+def make_train_step(recipe: Recipe, trainable: Trainable, strategy: LayerStrategies,
                     mesh: Mesh) -> Callable:
     """The jitted step: (state, batch) -> (new state, metrics); the state is donated."""
     accum_steps = recipe.train.grad_accum_steps

@@ -3,15 +3,17 @@
 Memory: a program's peak is what is alive together; per device
   whole step       state (f32 parameters + AdamW mu, nu, 12 bytes / sharded parameter),
                    batch, the compute-dtype copies of the stacked layer weights (XLA
-                   hoists the casts out of the layer loop), the saved activations
-                   (remat policy x layers; `full` keeps the layer input, the scan carry);
-  plus the larger of two phases:
+                   hoists the casts out of the layer loop), the gathered embedding and
+                   output tables, the saved activations (remat policy x layers; every
+                   policy keeps the layer input, the scan carry, unless it is offloaded);
+  plus the largest of three phases:
   loss             the output weights gathered and their full f32 gradient, one chunk's
                    f32 logits, the hidden states cut into chunks and their gradient;
-  layers           f32 gradients (sharded), one layer's gathered weights and full
-                   gradient, the layer's recomputed intermediates (the MLP's
-                   [tokens, d_ff] ones for one chunk with remat.mlp_chunk_tokens), the
-                   strategy's attention working set (gathered K/V and their f32 gradients; head-
+  layer MLP        f32 gradients (sharded), one layer's gathered weights and full
+                   gradient, its [tokens, d_model] tensors, and the MLP's recomputed
+                   [tokens, d_ff] intermediates (one chunk with remat.mlp_chunk_tokens);
+  layer attention  the same layer-wide terms with, instead of the MLP's, the strategy's
+                   attention working set (gathered K/V and their f32 gradients; head-
                    sharded q, k, v, out; rotating K/V, f32 dK/dV and out/dq
                    accumulators), the xla kernel's block scores or the pallas kernel's
                    head-major copies of q, k, v, out, dout.
@@ -25,16 +27,19 @@ the strategy's own cost model (parallel/cost_model.py); the rest is common to al
 Calibration. XLA's temporary allocation is not the sum of what the code creates: it fuses
 intermediates away, keeps extra copies (relayouts, stacked residuals), and its buffer
 assignment is larger than the live peak. CALIBRATION holds how many copies of each term
-count, fitted on programs compiled for v5p:2x2x1 (mesh.context 4, one sequence): a
-2-layer width-512 and a 4-layer width-1024 / vocab-32K model x all_gather, ulysses, ring
-x remat full, minimal x 8K, 32K tokens with attention.impl=xla (24), plus usp and the
-pallas kernel on four of them. On those 28 programs the estimate is within 13.4% of
-XLA's per-chip HBM (rms 5.5%) and within 3.5% of its collective bytes (what is left: with
-ulysses and full remat XLA gathers wq, wk, wv once more; dK/dV lowered half as
-reduce-scatter, half as all-reduce). Not fitted on, llama3.1-8b on the same 4 chips
-(128K-512K tokens, ring and all_gather, with and without offload or loss chunking) lands
-0.1-14.4% under XLA. Treat memory figures as +-15% near those shapes and as a guide
-beyond them; the traffic figures are formulas of the code, checked exactly.
+count. They were first fitted on small models on v5p:2x2x1 (tests/test_planner.py's grid,
+where the traffic figures match XLA's collective bytes within 3.5%), and are now refitted
+(`python benchmarks/refit_planner.py --fit`) on the "fit" grid of
+benchmarks/data/planner_grid.jsonl: llama3.1-8b compiled for v5p:2x2x1 (128K, 512K tokens)
+and v5p:4x4x4 (1M, 4M), all_gather, ulysses, ring, usp x full and offloaded remat. There
+the estimate is within 15.3% of XLA's per-chip HBM (rms 7.1%, 28 points); on the held-out
+grid (256K, 1M on 4 chips; 2M, 8M on 64) within 25.3% (rms 11.3%, 23 points). What is
+left: usp with a Ulysses degree above the KV heads on 64 chips (XLA's figure moves
+-19%..+15% around the estimate: from 2M to 4M tokens the offloaded program grows 17%, the
+full-remat one 74%), all_gather on 64 chips (+15% at 1M, +25% offloaded at 8M), and
+programs XLA squeezes near the chip's HBM (1M offloaded on 4 chips: 8-17% high).
+accuracy.py says so in the plan. The traffic figures are formulas of the code, checked
+exactly.
 """
 
 from __future__ import annotations
@@ -51,47 +56,64 @@ from lctrain.recipes.schema import Recipe
 
 SPLASH_LSE_LANES = 128
 
-# How many copies of a tensor are alive at the peak, fitted on compiled programs
-# (tests/test_planner.py, v5p:2x2x1) where the code alone does not decide it.
+# How many copies of a tensor are alive at the peak, fitted on compiled programs (the fit
+# grid of benchmarks/data/planner_grid.jsonl) where the code alone does not decide it. The
+# buffers named below are from the buffer assignment XLA dumps (--xla_dump_to) for
+# llama3.1-8b at 1M-2M tokens on v5p:4x4x4.
 CALIBRATION = {
     # f32 [b, heads, block_q, block_kv] scores, probabilities, dp, ds of one block pair in
     # the xla kernel's loops.
     "kernel_block_scores": 1.9,
     # pallas: head-major copies of the kernel's q, k, v, out, dout (the fit finds none
     # beyond what the other terms hold).
-    "pallas_layout_copies": 0.0,
+    "pallas_layout_copies": 0.047,
     # The strategy's attention working set in one layer's backward (as the code writes
     # it: gathered / all-to-all'd / rotating tensors and their gradients), per copy: XLA
     # reuses buffers between the forward and backward halves.
-    "attention_copies": 0.5,
-    # The same for the ring's rotating blocks and accumulators: XLA overlaps them with the
-    # layer's other backward buffers more than the gathered or head-sharded tensors.
+    "attention_copies": 0.916,
+    # The same for the ring's rotating blocks and accumulators (and usp's all-to-alls
+    # around them). No program of the 8B grid peaks in a ring's attention (the MLP's
+    # intermediates are larger), so the grid leaves it free: the small models' value.
     "ring_attention_copies": 0.35,
     # One layer's backward MLP intermediates, in units of 5 [b, tokens, d_ff] (gate, up,
-    # silu(gate) * up and two gradients; tokens: one chunk with remat.mlp_chunk_tokens).
-    "layer_backward": 1.0,
+    # silu(gate) * up and two gradients; tokens: one chunk with remat.mlp_chunk_tokens):
+    # the 64-chip ring program places bf16 [16384, 14336] buffers at 8-9 offsets.
+    "layer_backward": 1.631,
     # [b, s_l, d_model] compute-dtype tensors alive in one layer's backward (inputs,
-    # residuals, norms, projections and their gradients).
+    # residuals, norms, projections and their gradients). At one model width this is a
+    # fixed share of the MLP's term, so the 8B grid cannot decide it: the small models'
+    # value (benchmarks/refit_planner.py KEPT).
     "layer_width_tensors": 7.0,
     # Saved named tensors (minimal, custom) per copy the policy implies: XLA keeps the
     # scan's stacked residuals and a relayout of some of them.
     "saved_copies": 1.5,
-    # Compute-dtype copies of the stacked layer weights: the hoisted casts (one) and
-    # relayouts for the backward's transposed matmuls; also absorbs buffer-assignment
-    # overhead that grows with the model (Llama 3.1 8B).
-    "weight_copies": 2.75,
+    # The scan's stacked layer inputs (the carry every policy keeps unless it is
+    # offloaded): the buffer assignment holds one bf16 [32, 1, s_l, 4096] stack, yet a
+    # full-remat program's HBM exceeds its offloaded twin's by 1.3-2.0 stacks on 4 chips
+    # and 1.25-2.25 for ring and usp on 64 (all_gather on 64 chips: 0.7-1.7).
+    "stacked_input_copies": 1.53,
+    # Compute-dtype copies of the stacked layer weights: the hoisted casts (one). With the
+    # f32 gradients below it scales as 1 / ZeRO group on the 8B grid, so the two trade.
+    "weight_copies": 1.397,
     # f32 gradient buffers in the layers' backward.
-    "gradient_copies": 1.0,
+    "gradient_copies": 1.022,
     # Copies of the gathered output weights (compute dtype) in the loss backward.
     "head_weight_copies": 1.0,
+    # The gathered embedding and output tables (compute dtype), kept through the whole
+    # step, in units of one table: the 64-chip programs place bf16 [4096, 128256] (1002 MiB,
+    # a 24 MiB shard gathered) at four offsets; on 64 chips they outweigh the state.
+    "gathered_table_copies": 1.587,
     # One chunk's f32 logits: the logits and their softmax / gradient.
     "logits_copies": 1.4,
 }
 
-# The terms of each phase; the peak holds the larger phase and everything else.
+# The terms of each phase; the peak holds the largest phase and every term of no phase.
+# One layer's backward runs its MLP and its attention one after the other, so their
+# working sets peak apart, each beside what the whole layer holds.
+_LAYER = ("gradients", "embedding_gradient", "layer_weights", "layer_width")
 PHASES = {"loss": ("loss_head", "loss_logits"),
-          "layers": ("gradients", "embedding_gradient", "layer_weights", "layer_backward",
-                     "attention", "kernel_scratch")}
+          "layer_mlp": (*_LAYER, "layer_mlp"),
+          "layer_attention": (*_LAYER, "attention", "kernel_scratch")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +156,7 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
         "batch": 5 * 4 * dm.rows * dm.s_l,
         "weight_copies": CALIBRATION["weight_copies"] * p * w.layer_local * L if p < F32 else 0,
         "activations": L * tokens * saved_token,
+        "gathered_tables": CALIBRATION["gathered_table_copies"] * p * w.head,
         # loss phase: the output weights gathered (compute dtype) and their full f32
         # gradient, one chunk's f32 logits (and softmax / gradient), the hidden states
         # cut into chunks and their gradient
@@ -147,8 +170,8 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
         # the embedding's full f32 gradient, where XLA all-reduces the table (see traffic)
         "embedding_gradient": F32 * w.embedding if embedding_table_grad else 0.0,
         "layer_weights": 3 * p * w.layer_gathered + 2 * F32 * w.mlp_gathered,
-        "layer_backward": (CALIBRATION["layer_backward"] * mlp_tokens * 5 * dm.f * p
-                           + CALIBRATION["layer_width_tensors"] * tokens * dm.e * p),
+        "layer_width": CALIBRATION["layer_width_tensors"] * tokens * dm.e * p,
+        "layer_mlp": CALIBRATION["layer_backward"] * mlp_tokens * 5 * dm.f * p,
         "attention": footprint.working_set * CALIBRATION[
             "ring_attention_copies" if dm.r > 1 else "attention_copies"],
         **_kernel_scratch(dm, footprint, impl, recipe),
@@ -162,8 +185,9 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
         # still holds them at the peak.
         host["optimizer_moments"] = 8 * w.local
     peak_phase = max(PHASES, key=lambda ph: sum(terms.get(t, 0.0) for t in PHASES[ph]))
-    outside = {t for ph, names in PHASES.items() if ph != peak_phase for t in names}
-    return Memory(terms, host, peak_phase, tuple(t for t in terms if t not in outside))
+    phased = {t for names in PHASES.values() for t in names}
+    return Memory(terms, host, peak_phase, tuple(
+        t for t in terms if t not in phased or t in PHASES[peak_phase]))
 
 
 def _remat_tensors(dm: Dims) -> dict[str, float]:
@@ -184,11 +208,12 @@ def _remat_tensors(dm: Dims) -> dict[str, float]:
 def _saved_per_token(recipe: Recipe, dm: Dims) -> tuple[float, float]:
     """(device bytes, host bytes) saved per token per layer for backward."""
     named = _remat_tensors(dm)
+    carry = CALIBRATION["stacked_input_copies"] * named["decoder_layer_input"]
     policy = recipe.remat.policy
     if policy == "full":
-        return named["decoder_layer_input"], 0.0
+        return carry, 0.0
     if policy == "minimal":
-        return (named["decoder_layer_input"] + CALIBRATION["saved_copies"]
+        return (carry + CALIBRATION["saved_copies"]
                 * sum(v for n, v in named.items() if n != "decoder_layer_input")), 0.0
     if policy == "save_all":
         # No remat: every intermediate the backward reads stays, including f32 norm and
@@ -204,7 +229,7 @@ def _saved_per_token(recipe: Recipe, dm: Dims) -> tuple[float, float]:
     host = sum(named[n] for n, where in recipe.remat.tensors.items() if where == "offload")
     # The scan carry (the layer input) is always kept unless it was offloaded.
     if recipe.remat.tensors.get("decoder_layer_input") != "offload":
-        device += named["decoder_layer_input"]
+        device += carry
     return device, host
 
 

@@ -18,7 +18,7 @@ class StrategyPlan:
     ulysses: int                                  # Ulysses degree where it takes one
     memory: dict[str, float]                      # HBM bytes per device by term
     peak_terms: tuple[str, ...]                   # the terms alive together at the peak
-    peak_phase: str                               # "loss" or "layers"
+    peak_phase: str                               # loss, layer_mlp or layer_attention
     host: dict[str, float]                        # pinned host bytes per device by term
     comm: dict[str, float]                        # bytes received per step per device, by kind
     comm_detail: dict[str, float]                 # the same by source (zero3, strategy, ...)
