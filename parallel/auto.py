@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from lctrain.parallel import planner
 from lctrain.parallel.chips import CHIPS, Chip, chip_for_device_kind
+from lctrain.parallel.layer_strategies import strategy_name
 from lctrain.parallel.planner.results import StrategyPlan
 from lctrain.recipes.schema import Recipe
 
@@ -61,15 +62,6 @@ def choose_strategy(recipe: Recipe, axis_sizes: dict[str, int], device_memory: i
     order, reason = ranked_strategies(recipe, axis_sizes, device_memory, chip, platform)
     strategy, ulysses = order[0]
     return strategy, ulysses, reason
-
-
-def strategy_name(strategy: str | dict[str, str], ulysses: int) -> str:
-    """How the run names parallel.strategy: usp with its degree; a map per layer kind as
-    "global: ring, sliding: halo"."""
-    if isinstance(strategy, dict):
-        return ", ".join(f"{kind}: {strategy_name(name, ulysses)}"
-                         for kind, name in strategy.items())
-    return f"{strategy} (ulysses {ulysses})" if strategy == "usp" else strategy
 
 
 def resolve_auto(recipe: Recipe, axis_sizes: dict[str, int], devices,

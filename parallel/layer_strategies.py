@@ -42,11 +42,17 @@ def _with_window(attend, window: int | None):
 def layer_strategies(recipe: Recipe, by_kind: dict[str, ContextStrategy]) -> LayerStrategies:
     """The kinds' strategies, once checked to share the stored layout."""
     windows = {kind: recipe.model.layer_group(kind).window for kind in by_kind}
-    strategy = recipe.parallel.strategy
-    name = (strategy if isinstance(strategy, str)
-            else ", ".join(f"{kind}: {name}" for kind, name in strategy.items()))
     _check_shared_layout(recipe, by_kind)
-    return LayerStrategies(by_kind, windows, name)
+    return LayerStrategies(by_kind, windows, strategy_name(recipe.parallel.strategy))
+
+
+def strategy_name(strategy: str | dict[str, str], ulysses: int | None = None) -> str:
+    """How the run names parallel.strategy: a map per layer kind as "global: ring,
+    sliding: halo"; usp with its degree when `ulysses` is given."""
+    if isinstance(strategy, dict):
+        return ", ".join(f"{kind}: {strategy_name(name, ulysses)}"
+                         for kind, name in strategy.items())
+    return f"{strategy} (ulysses {ulysses})" if strategy == "usp" and ulysses else strategy
 
 
 def _check_shared_layout(recipe: Recipe, by_kind: dict[str, ContextStrategy]) -> None:
