@@ -16,7 +16,8 @@ heads (32 query / 8 KV of 128, bf16), `jax.value_and_grad` of the output's sum, 
 --repeats runs after a warm-up. TFLOP/s counts the causal half of the score matrix:
 forward 2 matmuls = 4 s^2/2 h d flops, backward 2.5x the forward. On a CPU only `xla`
 runs at a useful speed (the Pallas kernel runs in interpret mode there: pass --impls
-pallas to see it, at small lengths).
+pallas to see it, at small lengths). On a GPU the Pallas kernels (TPU kernels) do not run:
+it times xla beside cuDNN's fused attention (jax.nn.dot_product_attention).
 
 Memory: the same forward+backward compiled for ONE chip of the topology at --memory-seq-
 lens tokens (32K, 128K, 512K: what one chip holds under context parallelism), peak HBM
@@ -69,13 +70,23 @@ def causal_flops(seq_len: int) -> float:
     return 3.5 * forward
 
 
+def cudnn_loss():
+    """The vendor's fused attention on a GPU (cuDNN), beside ours as splash is on a TPU."""
+
+    def loss(q, k, v, positions):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return jnp.sum(out.astype(jnp.float32))
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
 def time_impl(impl: str, seq_len: int, block: int, repeats: int, dtype) -> float:
     """Median seconds of one forward+backward on the default backend."""
     rng = np.random.default_rng(0)
     q, k, v, positions = (jnp.asarray(rng.standard_normal(s.shape), s.dtype)
                           if s.dtype != jnp.int32 else jnp.arange(seq_len)[None]
                           for s in shapes(seq_len, dtype))
-    step = jax.jit(attention_loss(impl, None, block))
+    step = jax.jit(cudnn_loss() if impl == "cudnn" else attention_loss(impl, None, block))
     jax.block_until_ready(step(q, k, v, positions))
     runs = []
     for _ in range(repeats):
@@ -179,6 +190,8 @@ def main(argv=None) -> int:
     with shown_only_on_failure():  # libtpu's start-up warnings where no TPU is attached
         backend = jax.default_backend()
     impls = args.impls or list(kernels.IMPLS)
+    if backend == "gpu":  # the Pallas kernels are TPU kernels: ours is xla there
+        impls = ["xla", "cudnn"]
     if backend == "cpu" and not args.impls:
         print("no accelerator here (jax's backend is cpu, where the Pallas kernels run "
               "interpreted): no timing, the kernels' structure instead")
@@ -193,7 +206,8 @@ def main(argv=None) -> int:
         for impl in impls:
             for seq_len in args.time_seq_lens:
                 seconds = time_impl(impl, seq_len, args.block, args.repeats, dtype)
-                print(f"{kernels.resolve_impl(impl):<8}{seq_len:>9}{seconds * 1e3:>12.1f}"
+                name = impl if impl == "cudnn" else kernels.resolve_impl(impl)
+                print(f"{name:<8}{seq_len:>9}{seconds * 1e3:>12.1f}"
                       f"{causal_flops(seq_len) / seconds / 1e12:>10.3f}", flush=True)
     if args.memory:
         from lctrain.parallel.aot import topology_devices
