@@ -128,8 +128,8 @@ def _fill_model_keys(raw: dict[str, Any]) -> None:
             model[key] = _merged_rope_scaling(value, given)
         elif given is None:
             model[key] = value
-        elif source and key not in ROPE_KEYS and coerce(f"model.{key}", given,
-                                                        hints[key]) != value:
+        elif source and key not in ROPE_KEYS and (coerce(f"model.{key}", given, hints[key])
+                                                  != coerce(f"model.{key}", value, hints[key])):
             raise RecipeError(f"recipe key 'model.{key}' = {given!r} disagrees with {source} "
                               f"({value!r}); leave it unset or make it equal")
 
@@ -254,7 +254,7 @@ def _validate_layer_pattern(m: ModelConfig) -> None:
         require(group.rope_theta is None or group.rope_theta > 0, f"{key}.rope_theta",
                 group.rope_theta, "must be positive, or null (model.rope_theta)")
         first = m.layer_group(group.kind)
-        for name in ("window", "rope_theta"):
+        for name in ("window", "rope_theta", "scale_rope"):
             require(getattr(group, name) == getattr(first, name), f"{key}.{name}",
                     getattr(group, name), f"the {group.kind} layers share one {name}, and an "
                     f"earlier {group.kind} group gives {getattr(first, name)!r}; make them equal")

@@ -10,47 +10,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
-class RecipeError(ValueError):
-    """A recipe value that cannot work; the message names the key, the value and the fix."""
-
-
-def require(ok: bool, key: str, value: Any, fix: str) -> None:
-    """RecipeError naming `key`, its `value` and the `fix`, unless `ok`."""
-    if not ok:
-        raise RecipeError(f"recipe key '{key}' = {value!r}: {fix}")
-
-
-def option(default: Any, help: str) -> Any:
-    """A recipe field with its one-line documentation (used for the README reference)."""
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-LLAMA31_ROPE_SCALING = dict(type="llama3", factor=8.0, original_max_position_embeddings=8192,
-                            low_freq_factor=1.0, high_freq_factor=4.0)
-
-# Every model field a preset (or an imported config.json) must give; head_dim None means
-# d_model / n_heads.
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(family="llama", layers=2, d_model=128, n_heads=8, n_kv_heads=2, head_dim=None,
-                 d_ff=384, vocab=128, qkv_bias=False, rope_theta=10_000.0,
-                 rope_scaling=dict(type="none"), max_position_embeddings=8192,
-                 tie_embeddings=False, norm_eps=1e-5),
-    "llama3.1-8b": dict(family="llama", layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
-                        head_dim=None, d_ff=14336, vocab=128256, qkv_bias=False,
-                        rope_theta=500_000.0, rope_scaling=LLAMA31_ROPE_SCALING,
-                        max_position_embeddings=131072, tie_embeddings=False, norm_eps=1e-5),
-    "llama3.1-70b": dict(family="llama", layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
-                         head_dim=None, d_ff=28672, vocab=128256, qkv_bias=False,
-                         rope_theta=500_000.0, rope_scaling=LLAMA31_ROPE_SCALING,
-                         max_position_embeddings=131072, tie_embeddings=False, norm_eps=1e-5),
-}
-
-# Model keys that may differ from an imported config.json on purpose: changing RoPE is how
-# a pretrained model's context is extended.
-ROPE_KEYS = ("rope_theta", "rope_scaling")
+# The model section lives in model_schema.py; these names stay importable from here.
+from .model_schema import (LAYER_KINDS, LLAMA31_ROPE_SCALING, MODEL_PRESETS,  # noqa: F401
+                           ROPE_KEYS, LayerGroupConfig, ModelConfig, RopeScalingConfig)
+from .options import RecipeError, option, require  # noqa: F401
 
 REMAT_TENSORS = (
     "decoder_layer_input", "query_proj", "key_proj", "value_proj",
@@ -62,113 +25,6 @@ REMAT_TENSORS = (
 STRATEGIES = ("none", "all_gather", "ulysses", "ring", "usp", "halo", "auto")
 # Strategies that only run sliding-window layers (their attend refuses window=None).
 SLIDING_ONLY_STRATEGIES = ("halo",)
-
-# The kinds of attention layer model.layer_pattern mixes; a model without one is all global.
-LAYER_KINDS = ("global", "sliding")
-
-
-@dataclass
-class RopeScalingConfig:
-    type: Literal["none", "linear", "llama3", "yarn"] = option(
-        "none", "How positions are stretched past the context the model was trained for, as "
-                "transformers defines each: none, linear (every frequency / factor), llama3 "
-                "(Llama 3.1: low frequencies / factor, high kept, smooth between) or yarn "
-                "(ramp between the two by rotations, and cos/sin scaled by attention_factor).")
-    factor: float = option(1.0, "Context multiple the scaling aims at (linear, llama3, yarn).")
-    original_max_position_embeddings: int | None = option(
-        None, "Context the frequencies were trained for (llama3, yarn); null takes "
-              "model.max_position_embeddings.")
-    low_freq_factor: float = option(
-        1.0, "llama3: wavelengths longer than original / low_freq_factor are divided by factor.")
-    high_freq_factor: float = option(
-        4.0, "llama3: wavelengths shorter than original / high_freq_factor are kept.")
-    beta_fast: float = option(32.0, "yarn: rotations above which a frequency is kept.")
-    beta_slow: float = option(1.0, "yarn: rotations below which a frequency is divided by factor.")
-    attention_factor: float | None = option(
-        None, "yarn: scale of cos and sin; null takes 0.1 * ln(factor) + 1.")
-    truncate: bool = option(True, "yarn: round the ramp's ends to whole dimensions.")
-
-
-@dataclass
-class LayerGroupConfig:
-    """One group of model.layer_pattern: `count` consecutive layers of one kind."""
-    kind: Literal["global", "sliding"] = option(
-        "global", "global: causal attention over the whole sequence (as without a pattern); "
-                  "sliding: each query sees only the `window` latest tokens of its document, "
-                  "itself included (transformers' sliding_window).")
-    count: int = option(1, "Consecutive layers of this kind.")
-    window: int | None = option(
-        None, "sliding only, and required there: key j is seen by query i iff position(i) - "
-              "position(j) < window. Every group of one kind gives the same window.")
-    rope_theta: float | None = option(
-        None, "RoPE base frequency of this kind's layers (Gemma 3: 10000 on sliding layers, "
-              "1e6 on global ones); null takes model.rope_theta. model.rope_scaling applies "
-              "to every kind.")
-
-
-@dataclass
-class ModelConfig:
-    init: str = option(
-        "random", "'random' (seeded by train.seed), or 'hf:<dir>': a Hugging Face model folder "
-                  "(config.json + *.safetensors), whose config.json gives every key below "
-                  "(they must agree with it or be unset; rope_theta and rope_scaling may "
-                  "differ on purpose: that is how a context is extended).")
-    preset: Literal["tiny", "llama3.1-8b", "llama3.1-70b"] = option(
-        "tiny", "Architecture preset for model.init=random; the keys below override single "
-                "values of it.")
-    family: Literal["llama", "mistral", "qwen2"] | None = option(
-        None, "Hugging Face architecture written by `lctrain export` (Llama, Mistral, Qwen2).")
-    layers: int | None = option(None, "Decoder layers (scanned, so compile time does not grow).")
-    d_model: int | None = option(None, "Hidden width.")
-    n_heads: int | None = option(None, "Query heads.")
-    n_kv_heads: int | None = option(None, "Key/value heads (GQA when fewer than n_heads).")
-    head_dim: int | None = option(None, "Width of one head; null means d_model / n_heads.")
-    d_ff: int | None = option(None, "SwiGLU inner width.")
-    vocab: int | None = option(None, "Vocabulary size.")
-    qkv_bias: bool | None = option(None, "Biases on the q, k and v projections (Qwen2).")
-    rope_theta: float | None = option(None, "RoPE base frequency.")
-    rope_scaling: RopeScalingConfig | None = option(
-        None, "RoPE scaling, model.rope_scaling.* below; keys given merge over the preset's "
-              "or config.json's unless the type changes.")
-    max_position_embeddings: int | None = option(
-        None, "Context the model was made for (config.json's); export writes the larger of "
-              "it and data.seq_len.")
-    tie_embeddings: bool | None = option(None, "Share the input embedding with the unembedding.")
-    dtype: Literal["bfloat16", "float32"] = option(
-        "bfloat16", "Compute dtype; master weights and optimizer state stay float32.")
-    norm_eps: float | None = option(None, "RMSNorm epsilon.")
-    layer_pattern: list[LayerGroupConfig] | None = option(
-        None, "Mixed attention layers (Gemma 3: 5 sliding, 1 global): a list of {kind, count, "
-              "window, rope_theta} groups, keys below, repeated from the first layer over "
-              "model.layers (a last, partial repeat takes the pattern's first layers); null: "
-              "every layer global. Layers stay scanned: compile time grows with the pattern's "
-              "length, not with depth.")
-
-    def pattern_kinds(self) -> list[str]:
-        """One repeat of model.layer_pattern, a kind per layer (global without one)."""
-        return [group.kind for group in self.layer_pattern or ()
-                for _ in range(group.count)] or ["global"]
-
-    def layer_kinds(self) -> list[str]:
-        """The kind of every layer, first to last: the pattern repeated over model.layers."""
-        pattern = self.pattern_kinds()
-        return [pattern[i % len(pattern)] for i in range(self.layers)]
-
-    def layer_group(self, kind: str) -> LayerGroupConfig:
-        """The settings (window, rope_theta) of `kind`'s layers: its first group's, which
-        every other group of the kind repeats (checked at load)."""
-        return next((group for group in self.layer_pattern or () if group.kind == kind),
-                    LayerGroupConfig(kind=kind))
-
-    @property
-    def name(self) -> str:
-        """What the model is, for logs: its preset, or the folder it was imported from."""
-        return self.init if self.hf_dir else self.preset
-
-    @property
-    def hf_dir(self) -> str | None:
-        """The Hugging Face folder of model.init=hf:<dir>, else None."""
-        return self.init.removeprefix("hf:") if self.init.startswith("hf:") else None
 
 
 @dataclass

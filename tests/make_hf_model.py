@@ -34,7 +34,6 @@ def make_hf_model(folder: str | Path, family: str = "llama", *, layers: int = 2,
                   max_positions: int = 2048, dtype: str = "float32", seed: int = 0,
                   init_range: float = 0.1):
     """Saves the model into `folder` and returns it (PyTorch, float32, eval mode)."""
-    import torch
     import transformers
 
     config_class, model_class = (getattr(transformers, name) for name in CLASSES[family])
@@ -46,6 +45,37 @@ def make_hf_model(folder: str | Path, family: str = "llama", *, layers: int = 2,
         initializer_range=init_range,
         rope_parameters={"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta},
         **extra)
+    return _save_random(model_class, config, folder, dtype, seed)
+
+
+def make_gemma3_model(folder: str | Path, *, layer_types: list[str], sliding_window: int,
+                      hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                      ffn: int = 160, vocab: int = 256, query_pre_attn_scalar: int = 24,
+                      rope_theta: float = 1e6, local_theta: float = 1e4,
+                      rope_scaling: dict | None = None, tie: bool = True,
+                      dtype: str = "float32", seed: int = 0, init_range: float = 0.1):
+    """A Gemma 3 text model (Gemma3ForCausalLM): `layer_types` of sliding_attention /
+    full_attention, `rope_scaling` on the full_attention layers only, as transformers
+    does. Saved into `folder` and returned (PyTorch, float32, eval mode)."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=len(layer_types), num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, layer_types=layer_types,
+        sliding_window=sliding_window, query_pre_attn_scalar=query_pre_attn_scalar,
+        tie_word_embeddings=tie, initializer_range=init_range, max_position_embeddings=2048,
+        attn_implementation="eager",
+        rope_parameters={
+            "full_attention": {"rope_type": "default", **(rope_scaling or {}),
+                               "rope_theta": rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}})
+    return _save_random(transformers.Gemma3ForCausalLM, config, folder, dtype, seed)
+
+
+def _save_random(model_class, config, folder, dtype: str, seed: int):
+    import torch
+
     torch.manual_seed(seed)
     model = model_class(config).eval()
     with torch.no_grad():  # nonzero norm scales and biases, so the test sees them

@@ -33,10 +33,19 @@ LAYER_TENSORS = {
     ("attention", "bq"): ("self_attn.q_proj.bias", "bias"),
     ("attention", "bk"): ("self_attn.k_proj.bias", "bias"),
     ("attention", "bv"): ("self_attn.v_proj.bias", "bias"),
+    ("attention", "q_norm", "scale"): ("self_attn.q_norm.weight", "same"),
+    ("attention", "k_norm", "scale"): ("self_attn.k_norm.weight", "same"),
     ("mlp_norm", "scale"): ("post_attention_layernorm.weight", "same"),
     ("mlp", "gate"): ("mlp.gate_proj.weight", "transpose"),
     ("mlp", "up"): ("mlp.up_proj.weight", "transpose"),
     ("mlp", "down"): ("mlp.down_proj.weight", "transpose"),
+}
+# With model.post_norms (Gemma 3) post_attention_layernorm is the norm of attention's output,
+# and the MLP's input norm is pre_feedforward_layernorm.
+POST_NORM_TENSORS = {
+    ("attention_post_norm", "scale"): ("post_attention_layernorm.weight", "same"),
+    ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", "same"),
+    ("mlp_post_norm", "scale"): ("post_feedforward_layernorm.weight", "same"),
 }
 MODEL_TENSORS = {
     ("embedding",): ("model.embed_tokens.weight", "same"),
@@ -63,9 +72,12 @@ class HFTensor:
 def hf_tensors(params: dict) -> list[HFTensor]:
     """The HF counterpart of every leaf of our parameter dict (real or abstract)."""
     tensors = []
+    layer_tensors = LAYER_TENSORS
+    if "attention_post_norm" in params["layers"]:
+        layer_tensors = {**LAYER_TENSORS, **POST_NORM_TENSORS}
     for path, _ in _leaves(params):
         if path[0] == "layers":
-            name, layout = LAYER_TENSORS[path[1:]]
+            name, layout = layer_tensors[path[1:]]
             tensors.append(HFTensor(path, f"model.layers.{{layer}}.{name}", layout, True))
         else:
             name, layout = MODEL_TENSORS[path]

@@ -2,8 +2,8 @@
 
 Pure Python (no jax): the recipe loader reads the config before jax starts. The hub's
 checkpoints write RoPE as `rope_theta` plus `rope_scaling`; transformers 5 writes one
-`rope_parameters` dict. Both are read; the hub's form is written, since every transformers
-version reads it.
+`rope_parameters` dict (Gemma 3: one per layer type). Both are read; the hub's form is
+written, since every transformers version reads it.
 """
 
 from __future__ import annotations
@@ -12,12 +12,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lctrain.recipes.schema import ModelConfig, RecipeError
+from lctrain.recipes.schema import ModelConfig, RecipeError, require
 
-# architectures[0] -> model.family. Mistral is Llama without biases; Qwen2 adds q/k/v biases.
+# architectures[0] -> model.family. Mistral is Llama without biases; Qwen2 adds q/k/v biases;
+# Gemma 3 (text only) the layer features of family_layers and sliding/global layers.
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-            "Qwen2ForCausalLM": "qwen2"}
+            "Qwen2ForCausalLM": "qwen2", "Gemma3ForCausalLM": "gemma3"}
 ARCHITECTURES = {family: name for name, family in FAMILIES.items()}
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type, where not the family
+# Gemma 3's layer_types -> model.layer_pattern kinds.
+GEMMA3_KINDS = {"sliding_attention": "sliding", "full_attention": "global"}
+GEMMA3_TYPES = {kind: name for name, kind in GEMMA3_KINDS.items()}
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 ROPE_SCALING_KEYS = ("factor", "original_max_position_embeddings", "low_freq_factor",
                      "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "truncate")
@@ -45,7 +50,8 @@ def model_fields(folder: str | Path, seq_len: int) -> dict[str, Any]:
     _check_supported(config, family, source, seq_len)
     heads = config["num_attention_heads"]
     theta, scaling = _rope(config, source)
-    return dict(
+    gemma = family == "gemma3"
+    fields = dict(
         family=family,
         layers=config["num_hidden_layers"],
         d_model=config["hidden_size"],
@@ -58,9 +64,73 @@ def model_fields(folder: str | Path, seq_len: int) -> dict[str, Any]:
         rope_theta=float(theta),
         rope_scaling=scaling,
         max_position_embeddings=config.get("max_position_embeddings", seq_len),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        query_pre_attn_scalar=None,
+        **family_layers(family, config["hidden_size"]),
     )
+    if gemma:
+        fields.update(_gemma3_fields(config, source))
+    return fields
+
+
+def family_layers(family: str, d_model: int) -> dict[str, Any]:
+    """The model keys that say how a family's layers compute (Llama's defaults but for
+    Gemma 3's); an export must match them."""
+    if family == "gemma3":
+        return dict(norm_offset=1.0, qk_norm=True, post_norms=True, mlp_activation="gelu_tanh",
+                    embedding_scale=d_model ** 0.5)
+    return dict(norm_offset=0.0, qk_norm=False, post_norms=False, mlp_activation="silu",
+                embedding_scale=1.0)
+
+
+def _gemma3_fields(config: dict, source: Path) -> dict[str, Any]:
+    """RoPE, attention scale and layer pattern of a Gemma 3 config.json: model.rope_theta
+    and model.rope_scaling are the global layers' (transformers scales only those), the
+    sliding layers' base frequency is rope_local_base_freq."""
+    per_type = config.get("rope_parameters") or {}
+    full, local = per_type.get("full_attention") or {}, per_type.get("sliding_attention") or {}
+    theta, scaling = _rope({"rope_theta": config.get("rope_theta", full.get("rope_theta", 1e6)),
+                            "rope_scaling": config.get("rope_scaling") or full}, source)
+    local_type = local.get("rope_type", "default")
+    if local_type != "default":
+        raise RecipeError(f"{source}: rope_parameters.sliding_attention.rope_type "
+                          f"{local_type!r} is not supported; lctrain scales only the global "
+                          f"layers' RoPE, as transformers' rope_scaling does")
+    local_theta = config.get("rope_local_base_freq", local.get("rope_theta", 10_000.0))
+    return dict(rope_theta=float(theta), rope_scaling=scaling,
+                query_pre_attn_scalar=int(config.get("query_pre_attn_scalar", 256)),
+                layer_pattern=_gemma3_pattern(config, source, float(local_theta)))
+
+
+def _gemma3_pattern(config: dict, source: Path, local_theta: float) -> list[dict] | None:
+    """model.layer_pattern from layer_types (older configs: every sliding_window_pattern-th
+    layer global): its shortest repeat, as groups of consecutive layers of one kind."""
+    layers = config["num_hidden_layers"]
+    every = config.get("sliding_window_pattern", 6)
+    types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
+    unknown = [name for name in types if name not in GEMMA3_KINDS]
+    if unknown:
+        raise RecipeError(f"{source}: layer_types entry {unknown[0]!r} is not supported; "
+                          f"lctrain's layers are {' or '.join(GEMMA3_KINDS)}")
+    kinds = [GEMMA3_KINDS[name] for name in types]
+    if "sliding" not in kinds:
+        return None
+    window = config.get("sliding_window")
+    if not window:
+        raise RecipeError(f"{source}: sliding_window {window!r} with sliding_attention layers; "
+                          f"give the window in tokens")
+    period = next(p for p in range(1, len(kinds) + 1)
+                  if all(kind == kinds[i % p] for i, kind in enumerate(kinds)))
+    groups: list[dict] = []
+    for kind in kinds[:period]:
+        if groups and groups[-1]["kind"] == kind:
+            groups[-1]["count"] += 1
+        else:
+            sliding = dict(window=window, rope_theta=local_theta, scale_rope=False)
+            groups.append(dict(kind=kind, count=1, **(sliding if kind == "sliding" else {})))
+    return groups
 
 
 def _family(config: dict, source: Path) -> str:
@@ -73,6 +143,9 @@ def _family(config: dict, source: Path) -> str:
 
 
 def _check_supported(config: dict, family: str, source: Path, seq_len: int) -> None:
+    if family == "gemma3":
+        _check_gemma3(config, source)
+        return
     if config.get("hidden_act", "silu") != "silu":
         raise RecipeError(f"{source}: hidden_act {config['hidden_act']!r} is not supported; "
                           f"lctrain's MLP is SwiGLU (silu)")
@@ -85,6 +158,20 @@ def _check_supported(config: dict, family: str, source: Path, seq_len: int) -> N
         raise RecipeError(f"{source}: sliding_window {window} is shorter than data.seq_len "
                           f"{seq_len}, and lctrain attends to the whole sequence; use "
                           f"data.seq_len <= {window}")
+
+
+# Gemma 3 keys lctrain has no counterpart for, and the one value it runs.
+GEMMA3_FIXED = {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+                "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                "use_bidirectional_attention": False}
+
+
+def _check_gemma3(config: dict, source: Path) -> None:
+    for key, supported in GEMMA3_FIXED.items():
+        value = config.get(key, supported)
+        if value != supported and not (supported is False and value is None):
+            raise RecipeError(f"{source}: {key} {value!r} is not supported; lctrain runs "
+                              f"Gemma 3 text models with {key} {json.dumps(supported)}")
 
 
 def _rope(config: dict, source: Path) -> tuple[float, dict[str, Any]]:
@@ -101,9 +188,21 @@ def _rope(config: dict, source: Path) -> tuple[float, dict[str, Any]]:
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    """RecipeError for a model whose layers a Llama/Mistral/Qwen2 config.json cannot
-    describe: one with sliding-window layers (model.layer_pattern). Checked before any
-    weight is read; exported anyway, a server would run every layer global."""
+    """RecipeError for a model whose layers its family's config.json cannot describe: layer
+    features other than the family's (family_layers), another attention scale, or
+    sliding-window layers, outside Gemma 3; on Gemma 3, RoPE scaling on other layers than
+    the global ones. Checked before any weight is read; exported anyway, a server would run
+    another model."""
+    for key, value in family_layers(cfg.family, cfg.d_model).items():
+        require(getattr(cfg, key) == value, f"model.{key}", getattr(cfg, key),
+                f"a {cfg.family} config.json has {value!r} there; lctrain exports only what "
+                f"the family's config.json describes")
+    if cfg.family == "gemma3":
+        _check_gemma3_rope(cfg)
+        return
+    require(cfg.query_pre_attn_scalar in (None, cfg.head_dim), "model.query_pre_attn_scalar",
+            cfg.query_pre_attn_scalar, f"a {cfg.family} config.json scales attention by "
+            f"1/sqrt(head_dim); set it to null")
     if cfg.layer_pattern is not None and set(cfg.layer_kinds()) != {"global"}:
         raise RecipeError(
             f"recipe key 'model.layer_pattern' = {[g.kind for g in cfg.layer_pattern]}: "
@@ -112,13 +211,30 @@ def check_exportable(cfg: ModelConfig) -> None:
             f"global")
 
 
+def _check_gemma3_rope(cfg: ModelConfig) -> None:
+    if cfg.rope_scaling.type == "none":
+        return
+    for i, group in enumerate(cfg.layer_pattern or ()):
+        require(group.scale_rope == (group.kind == "global"),
+                f"model.layer_pattern[{i}].scale_rope", group.scale_rope,
+                f"a gemma3 config.json scales the RoPE of global layers only; set it to "
+                f"{str(group.kind == 'global').lower()}")
+
+
+def _gemma3_json(cfg: ModelConfig) -> dict[str, Any]:
+    sliding = cfg.layer_group("sliding")
+    return {**GEMMA3_FIXED, "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+            "layer_types": [GEMMA3_TYPES[kind] for kind in cfg.layer_kinds()],
+            "sliding_window": sliding.window,
+            "rope_local_base_freq": sliding.rope_theta or cfg.rope_theta}
+
+
 def config_json(cfg: ModelConfig, seq_len: int, dtype: str,
                 special_tokens: dict[str, int] | None = None) -> dict[str, Any]:
     """The config.json of an exported model: its shapes and the RoPE it trained with."""
     config = {
         "architectures": [ARCHITECTURES[cfg.family]],
-        "model_type": cfg.family,
-        "hidden_act": "silu",
+        "model_type": MODEL_TYPES.get(cfg.family, cfg.family),
         "num_hidden_layers": cfg.layers,
         "hidden_size": cfg.d_model,
         "num_attention_heads": cfg.n_heads,
@@ -129,11 +245,12 @@ def config_json(cfg: ModelConfig, seq_len: int, dtype: str,
         "rms_norm_eps": cfg.norm_eps,
         "max_position_embeddings": max(cfg.max_position_embeddings, seq_len),
         "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_theta": cfg.rope_theta,
+        "rope_theta": cfg.layer_group("global").rope_theta or cfg.rope_theta,
         "rope_scaling": _rope_scaling_json(cfg),
         "torch_dtype": dtype,
         **(special_tokens or {}),
     }
+    config.update(_gemma3_json(cfg) if cfg.family == "gemma3" else {"hidden_act": "silu"})
     if cfg.family == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     if cfg.family in ("mistral", "qwen2"):

@@ -1,5 +1,7 @@
-"""A Llama-3.x decoder in Flax NNX: RMSNorm, RoPE (none, linear, llama3 or yarn scaling), GQA,
-SwiGLU, and Qwen2's q/k/v biases.
+"""A Llama-3.x decoder in Flax NNX: RMSNorm, RoPE (none, linear, llama3 or yarn scaling:
+trainer/rope.py), GQA, SwiGLU, Qwen2's q/k/v biases, and what Gemma 3 adds (norms
+centred on 0, q/k norms, sublayer output norms, GeGLU, scaled embeddings, its own
+attention scale; each a model key whose default is Llama's).
 
 Every parameter carries `axes`, its logical axis names; `lctrain.parallel.sharding` maps
 them onto the mesh. Layers are stacked on a leading 'layers' axis and applied with
@@ -11,19 +13,20 @@ bound to the kind's window), so the model knows nothing of the mesh.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lctrain.kernels.residuals import CONTEXT
 from lctrain.recipes.schema import ModelConfig
 from lctrain.trainer.token_chunks import GatherWeight, TokenChunks
+
+# rope_frequencies and rotary_tables stay importable from here.
+from .rope import apply_rope, kind_config, rope_frequencies, rotary_tables  # noqa: F401
 
 
 class Attend(Protocol):
@@ -42,86 +45,27 @@ def _weight(param: nnx.Param, dtype) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("embed",))
-        self.eps = eps
+    """Normalizes the last axis in float32 and multiplies by (offset + scale): model.norm_offset
+    1 stores Gemma's weights centred on 0, so they start at 0 (a gain of one)."""
+
+    def __init__(self, dim: int, cfg: ModelConfig, axes: tuple[str, ...] = ("embed",)):
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - cfg.norm_offset, jnp.float32), axes=axes)
+        self.eps = cfg.norm_eps
+        self.offset = cfg.norm_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...]).astype(x.dtype)
+        return (normed * (self.offset + self.scale[...])).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """Per-pair rotation speeds and the scale of cos/sin, as transformers defines them for
-    each model.rope_scaling type. Computed in float64 from the recipe alone (constants)."""
-    half = np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim
-    inv_freq = 1.0 / cfg.rope_theta ** half
-    scaling = cfg.rope_scaling
-    if scaling.type == "linear":
-        return inv_freq / scaling.factor, 1.0
-    if scaling.type == "llama3":
-        return _llama3_frequencies(inv_freq, scaling), 1.0
-    if scaling.type == "yarn":
-        return _yarn_frequencies(inv_freq, cfg.head_dim, cfg.rope_theta, scaling)
-    return inv_freq, 1.0
+def _optional_norm(present: bool, dim: int, cfg: ModelConfig,
+                   axes: tuple[str, ...] = ("embed",)) -> RMSNorm | None:
+    return RMSNorm(dim, cfg, axes) if present else None
 
 
-def _llama3_frequencies(inv_freq: np.ndarray, scaling) -> np.ndarray:
-    """Llama 3.1: wavelengths beyond original/low_freq_factor are divided by the factor,
-    those below original/high_freq_factor kept, and a smooth blend in between."""
-    original = scaling.original_max_position_embeddings
-    wavelength = 2 * np.pi / inv_freq
-    smooth = (original / wavelength - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = np.where(wavelength > original / scaling.low_freq_factor,
-                      inv_freq / scaling.factor, blended)
-    return np.where(wavelength < original / scaling.high_freq_factor, inv_freq, scaled)
-
-
-def _yarn_frequencies(inv_freq: np.ndarray, head_dim: int, theta: float,
-                      scaling) -> tuple[np.ndarray, float]:
-    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
-    divided by the factor, those turning more than beta_fast times kept, a linear ramp
-    between; cos and sin are scaled by the attention factor."""
-    def dimension_of(rotations):
-        original = scaling.original_max_position_embeddings
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = dimension_of(scaling.beta_fast), dimension_of(scaling.beta_slow)
-    if scaling.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    ramp = np.clip((np.arange(head_dim // 2) - low) / max(high - low, 1e-3), 0, 1)
-    kept = 1 - ramp
-    inv_freq = inv_freq / scaling.factor * (1 - kept) + inv_freq * kept
-    attention_factor = scaling.attention_factor
-    if attention_factor is None:
-        attention_factor = 0.1 * math.log(scaling.factor) + 1 if scaling.factor > 1 else 1.0
-    return inv_freq, attention_factor
-
-
-def rotary_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [b, s, 1, d/2] of each token's true position, shared by all layers (of
-    a kind: see kind_config)."""
-    inv_freq, scale = rope_frequencies(cfg)
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-    return (scale * jnp.cos(angles))[:, :, None, :], (scale * jnp.sin(angles))[:, :, None, :]
-
-
-def kind_config(cfg: ModelConfig, kind: str) -> ModelConfig:
-    """The model as one kind's layers see it: their model.layer_pattern rope_theta."""
-    theta = cfg.layer_group(kind).rope_theta
-    return cfg if theta is None else dataclasses.replace(cfg, rope_theta=theta)
-
-
-def apply_rope(x: jax.Array, rotary: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates [b, s, heads, d] by the rotary tables (rotate-half convention)."""
-    cos, sin = rotary
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
+def _normed(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+    return x if norm is None else norm(x)
 
 
 class Attention(nnx.Module):
@@ -137,6 +81,12 @@ class Attention(nnx.Module):
             self.bv = nnx.Param(jnp.zeros((kv, d), jnp.float32), axes=("kv_heads", "head_dim"))
         else:
             self.bq = self.bk = self.bv = None
+        self.q_norm = _optional_norm(cfg.qk_norm, d, cfg, ("head_dim",))
+        self.k_norm = _optional_norm(cfg.qk_norm, d, cfg, ("head_dim",))
+        # The kernels scale scores by 1/sqrt(head_dim); another scale goes into q instead
+        # (a factor of 1, and no multiply, where query_pre_attn_scalar is head_dim).
+        scalar = cfg.query_pre_attn_scalar or d
+        self.query_factor = math.sqrt(d / scalar) if scalar != d else None
 
     @staticmethod
     def project(x, weight: nnx.Param, bias: nnx.Param | None):
@@ -148,54 +98,67 @@ class Attention(nnx.Module):
         q = checkpoint_name(self.project(x, self.wq, self.bq), "query_proj")
         k = checkpoint_name(self.project(x, self.wk, self.bk), "key_proj")
         v = checkpoint_name(self.project(x, self.wv, self.bv), "value_proj")
-        q = apply_rope(q, rotary)
-        k = apply_rope(k, rotary)
+        q = apply_rope(_normed(self.q_norm, q), rotary)
+        k = apply_rope(_normed(self.k_norm, k), rotary)
+        if self.query_factor is not None:
+            q = q * jnp.asarray(self.query_factor, dtype)
         context = checkpoint_name(attend(q, k, v, positions, segment_ids), CONTEXT)
         out = jnp.einsum("bshd,hde->bse", context, _weight(self.wo, dtype))
         return checkpoint_name(out, "out_proj")
 
 
+# model.mlp_activation: the gate's nonlinearity (SwiGLU, GeGLU with tanh-approximated GELU).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         e, f = cfg.d_model, cfg.d_ff
+        self.activation = cfg.mlp_activation
         self.gate = _param(rngs, (e, f), ("embed", "mlp"), e)
         self.up = _param(rngs, (e, f), ("embed", "mlp"), e)
         self.down = _param(rngs, (f, e), ("mlp", "embed"), f)
 
     def __call__(self, x, chunks: TokenChunks | None = None,
                  gather_weight: GatherWeight = lambda w, axes: w):
-        """SwiGLU over [b, s, e]; with `chunks`, one chunk of tokens at a time."""
+        """The gated MLP over [b, s, e]; with `chunks`, one chunk of tokens at a time."""
         if chunks is None:
-            return swiglu(x, self.gate[...], self.up[...], self.down[...])
+            return gated_mlp(x, self.gate[...], self.up[...], self.down[...],
+                             ACTIVATIONS[self.activation])
         # The weights are gathered whole before the chunk loop (inside it XLA would gather
         # them, and reduce their gradients, once per chunk) and stay float32 there, so their
         # gradients add up over the chunks in float32 rather than in the compute dtype.
         gate = gather_weight(self.gate[...], ("embed", "mlp"))
         up = gather_weight(self.up[...], ("embed", "mlp"))
         down = gather_weight(self.down[...], ("mlp", "embed"))
-        return chunks.map(lambda chunk: swiglu(chunk, gate, up, down), x)
+        activation = ACTIVATIONS[self.activation]
+        return chunks.map(lambda chunk: gated_mlp(chunk, gate, up, down, activation), x)
 
 
-def swiglu(x, gate, up, down):
+def gated_mlp(x, gate, up, down, activation=jax.nn.silu):
     dtype = x.dtype
     gate = checkpoint_name(x @ gate.astype(dtype), "mlpwi")
     up = checkpoint_name(x @ up.astype(dtype), "mlpwi")
-    return checkpoint_name((jax.nn.silu(gate) * up) @ down.astype(dtype), "mlpwo")
+    return checkpoint_name((activation(gate) * up) @ down.astype(dtype), "mlpwo")
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.d_model, cfg)
         self.attention = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention_post_norm = _optional_norm(cfg.post_norms, cfg.d_model, cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg)
         self.mlp = MLP(cfg, rngs)
+        self.mlp_post_norm = _optional_norm(cfg.post_norms, cfg.d_model, cfg)
 
     def __call__(self, x, positions, segment_ids, rotary, attend: Attend,
                  mlp_chunks: TokenChunks | None = None,
                  gather_weight: GatherWeight = lambda w, axes: w):
         x = checkpoint_name(x, "decoder_layer_input")
-        x = x + self.attention(self.attention_norm(x), positions, segment_ids, rotary, attend)
-        return x + self.mlp(self.mlp_norm(x), mlp_chunks, gather_weight)
+        attended = self.attention(self.attention_norm(x), positions, segment_ids, rotary, attend)
+        x = x + _normed(self.attention_post_norm, attended)
+        return x + _normed(self.mlp_post_norm,
+                          self.mlp(self.mlp_norm(x), mlp_chunks, gather_weight))
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -219,7 +182,7 @@ class Transformer(nnx.Module):
                                               jnp.float32),
             axes=("vocab", "embed"))
         self.layers = _stacked_layers(cfg, rngs)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.d_model, cfg)
         if not cfg.tie_embeddings:
             self.unembedding = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"),
                                       cfg.d_model)
@@ -246,6 +209,8 @@ class Transformer(nnx.Module):
         (remat.mlp_chunk_tokens), with its weights from `gather_weight`."""
         dtype = jnp.dtype(self.cfg.dtype)
         x = split_tokens(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype))
+        if self.cfg.embedding_scale != 1.0:
+            x = x * jnp.asarray(self.cfg.embedding_scale, dtype)
         kinds = self.cfg.layer_kinds()
         attends = _attends_by_kind(attend, set(kinds))
         rotary = {kind: tuple(map(split_tokens, rotary_tables(positions,
@@ -315,6 +280,7 @@ def count_parameters(cfg: ModelConfig) -> int:
     e, f, v, layers = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.layers
     attention = e * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     biases = cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads) if cfg.qkv_bias else 0
-    per_layer = attention + biases + 3 * e * f + 2 * e
+    norms = (4 if cfg.post_norms else 2) * e + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    per_layer = attention + biases + 3 * e * f + norms
     embeddings = v * e * (1 if cfg.tie_embeddings else 2)
     return layers * per_layer + embeddings + e

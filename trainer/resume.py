@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from lctrain.recipes.coerce import build
 from lctrain.recipes.schema import Recipe, RecipeError
 
 CHANGEABLE = ("train.steps", "model.init", "model.preset", "model.dtype", "mesh.",
@@ -30,7 +31,9 @@ def check_rerun(recipe: Recipe, run_dir: Path) -> str | None:
     path = run_dir / "recipe.yaml"
     if not path.is_file():
         return None
-    before = _flat(yaml.safe_load(path.read_text()) or {})
+    # Read back through the schema, so keys added since the run began take their defaults.
+    written = build(Recipe, yaml.safe_load(path.read_text()) or {}, prefix="")
+    before = _flat(yaml.safe_load(yaml.safe_dump(written.to_dict())))
     now = _flat(yaml.safe_load(yaml.safe_dump(recipe.to_dict())))
     changed = sorted(key for key in set(before) | set(now)
                      if before.get(key) != now.get(key) and not _changeable(key))

@@ -46,6 +46,11 @@ def parameter_tensors(recipe: Recipe) -> list[Tensor]:
         Tensor("down", (f, e), ("mlp", "embed"), True),
         Tensor("final_norm", (e,), ("embed",), False),
     ]
+    if m.qk_norm:
+        tensors += [Tensor(name, (d,), ("head_dim",), True) for name in ("q_norm", "k_norm")]
+    if m.post_norms:
+        tensors += [Tensor(name, (e,), ("embed",), True)
+                    for name in ("attention_post_norm", "mlp_post_norm")]
     if not m.tie_embeddings:
         tensors.append(Tensor("unembedding", (e, v), ("embed", "vocab"), False))
     return tensors
@@ -83,7 +88,8 @@ class Weights:
     local: int            # every parameter's shard (layers stacked)
     layer_local: int      # one layer's shards
     layer_gathered: int   # one layer's matrices gathered over Z (split over tensor only)
-    layer_norms: int      # norm vectors per layer
+    layer_norms: int      # d_model-wide norm vectors per layer (q/k norms, head_dim wide
+                          # and replicated, are left out: 2 * head_dim elements)
     mlp_gathered: int     # remat.mlp_chunk_tokens: gate, up, down gathered once; else 0
     head: int             # the output weights gathered over Z
     embedding: int        # the embedding table gathered over Z
@@ -103,7 +109,7 @@ def weights(recipe: Recipe, axis_sizes: dict[str, int], c: int) -> Weights:
         layer_local=sum(local_elements(t, axis_sizes) for t in tensors if t.per_layer),
         layer_gathered=sum(local_elements(t, axis_sizes, shard=("heads", "kv_heads", "mlp"))
                            for t in layer_matrices),
-        layer_norms=len([t for t in tensors if t.per_layer and len(t.shape) == 1]),
+        layer_norms=len([t for t in tensors if t.per_layer and t.axes == ("embed",)]),
         mlp_gathered=sum(local_elements(by_name[name], axis_sizes, shard=("mlp",))
                          for name in ("gate", "up", "down")) if mlp_chunked else 0,
         head=local_elements(head, axis_sizes, shard=("vocab",)),
