@@ -3,22 +3,27 @@ terms are checked and refitted against (issue 19; benchmarks/refit_planner.py re
 
 Every point is one train step compiled by XLA's TPU compiler on this CPU machine (libtpu
 ahead of time, parallel/planner/compiled.py), for one strategy, remat policy, sequence
-length and topology. A point that fits records memory_analysis()'s bytes; one XLA refuses
-records the bytes its RESOURCE_EXHAUSTED message says it needs ("Used 97.24G of 95.74G hbm":
-binary units, the same sum of arguments and program temporaries).
+length and topology (remat: full, the layer inputs offloaded, or offloaded with the MLP
+in chunks as recipes/llama3_8b_1m.yaml runs it). A point that fits records
+memory_analysis()'s bytes; one XLA refuses records the bytes its RESOURCE_EXHAUSTED
+message says it needs ("Used 97.24G of 95.74G hbm": binary units, the same sum of
+arguments and program temporaries).
 
     python benchmarks/planner_grid.py                      # fit and heldout, resumable
     python benchmarks/planner_grid.py --grid small         # tests/test_planner.py's grid
     python benchmarks/planner_grid.py --list               # the points left, no compile
     python benchmarks/planner_grid.py --topology v5p:4x4x4 --limit 1
+    python benchmarks/planner_grid.py --strategy ring --recompile-before 29ab51d
 
 Each point is appended to benchmarks/data/planner_grid.jsonl as soon as it is compiled, and
 points already there (same topology, settings and jax / libtpu versions) are skipped, so
-the run can be stopped at any time and continued in another session. Points run cheapest
-first (fewer chips, shorter sequences). Each compile of the 8B model takes 2-3 GB of RAM
-and 1.5-5 minutes on two shared cores (v5p:2x2x1 and v5p:4x4x4 alike): run one process
-at a time. A compile that fails for another reason than memory is stored with
-its error and fits = null (delete its line to retry it).
+the run can be stopped at any time and continued in another session. A change to the code
+that moves the figures: --recompile-before REV compiles again the points stored from
+commits before REV, each new record replacing its old one. Points run cheapest first
+(fewer chips, shorter sequences). Each compile of the 8B model takes 2-3 GB of RAM and
+1.5-5 minutes on two shared cores (v5p:2x2x1 and v5p:4x4x4 alike; some usp programs on
+64 chips 20): run one process at a time. A compile that fails for another reason than
+memory is stored with its error and fits = null (delete its line to retry it).
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ REMAT = {"full": ("remat.policy=full",),
          "minimal": ("remat.policy=minimal",),
          "offload": ("remat.policy=custom", "remat.tensors={decoder_layer_input: offload}")}
 K, M = 2**10, 2**20
+# recipes/llama3_8b_1m.yaml's MLP chunks (remat.mlp_chunk_tokens, whole sequence): 8192
+# tokens per chip, so Point.overrides scales them with the chips.
+MLP_CHUNK_TOKENS_PER_CHIP = 8 * K
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +71,19 @@ class Grid:
     cases: tuple[tuple[str, str, int], ...]     # (model, topology, tokens)
     remats: tuple[str, ...] = ("full", "offload")
     strategies: tuple[str, ...] = ("all_gather", "ulysses", "ring", "usp")
+    # (model, topology, tokens) compiled with the layer inputs offloaded and the MLP in
+    # chunks (recipes/llama3_8b_1m.yaml's settings)
+    mlp_chunk_cases: tuple[tuple[str, str, int], ...] = ()
 
 
 GRIDS = {
     # fitted on, and held out to check the fit
     "fit": Grid((("llama3.1-8b", "v5p:2x2x1", 128 * K), ("llama3.1-8b", "v5p:2x2x1", 512 * K),
-                 ("llama3.1-8b", "v5p:4x4x4", 1 * M), ("llama3.1-8b", "v5p:4x4x4", 4 * M))),
+                 ("llama3.1-8b", "v5p:4x4x4", 1 * M), ("llama3.1-8b", "v5p:4x4x4", 4 * M)),
+                mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 1 * M),)),
     "heldout": Grid((("llama3.1-8b", "v5p:2x2x1", 256 * K), ("llama3.1-8b", "v5p:2x2x1", 1 * M),
-                     ("llama3.1-8b", "v5p:4x4x4", 2 * M), ("llama3.1-8b", "v5p:4x4x4", 8 * M))),
+                     ("llama3.1-8b", "v5p:4x4x4", 2 * M), ("llama3.1-8b", "v5p:4x4x4", 8 * M)),
+                    mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 512 * K),)),
     # tests/test_planner.py's FULL_GRID (24 programs of a few seconds to minutes each)
     "small": Grid(tuple((model, "v5p:2x2x1", seq) for model in ("tiny512", "mid")
                         for seq in (8 * K, 32 * K)),
@@ -99,8 +112,19 @@ class Point:
     def overrides(self) -> list[str]:
         """The `lctrain plan --set` strings of this point's recipe."""
         extra = [f"parallel.ulysses={self.ulysses}"] if self.strategy == "usp" else []
-        return [*MODELS[self.model], f"data.seq_len={self.seq_len}", *REMAT[self.remat],
+        return [*MODELS[self.model], f"data.seq_len={self.seq_len}",
+                *remat_overrides(self.remat, self.topology),
                 f"parallel.strategy={self.strategy}", *extra]
+
+
+def remat_overrides(remat: str, topology: str) -> list[str]:
+    """REMAT's settings, or (offload_mlp_chunks) the offload ones with the MLP in chunks of
+    MLP_CHUNK_TOKENS_PER_CHIP per chip."""
+    if remat != "offload_mlp_chunks":
+        return list(REMAT[remat])
+    from lctrain.parallel import chips
+    chunk = MLP_CHUNK_TOKENS_PER_CHIP * chips.topology_device_count(topology)
+    return [*REMAT["offload"], f"remat.mlp_chunk_tokens={chunk}"]
 
 
 def versions() -> dict[str, str | None]:
@@ -149,10 +173,12 @@ def grid_points(names: list[str]) -> tuple[list[Point], list[str]]:
     points, skipped = [], []
     for name in names:
         grid = GRIDS[name]
-        for (model, topology, seq_len), remat in itertools.product(grid.cases, grid.remats):
+        cases = [*itertools.product(grid.cases, grid.remats),
+                 *((case, "offload_mlp_chunks") for case in grid.mlp_chunk_cases)]
+        for (model, topology, seq_len), remat in cases:
             # as `lctrain plan` asks: every strategy the mesh allows
             recipe, sizes = recipe_and_mesh(topology, [
-                *MODELS[model], f"data.seq_len={seq_len}", *REMAT[remat],
+                *MODELS[model], f"data.seq_len={seq_len}", *remat_overrides(remat, topology),
                 "parallel.strategy=auto"])
             allowed, why_not = planner.candidates(recipe, sizes)
             degrees = dict(allowed)
@@ -205,6 +231,25 @@ def compile_point(point: Point, devices) -> dict:
     return record
 
 
+def store(record: dict, path: Path = DATA) -> None:
+    """Appends the record (one line per point, kept if a later one crashes), replacing an
+    earlier record of the same point."""
+    path.parent.mkdir(exist_ok=True)
+    kept = [r for r in load_records(path) if record_key(r) != record_key(record)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*kept, record]))
+
+
+def _older_than(commit: str, rev: str) -> bool:
+    """Whether a record's commit (HEAD, maybe with "+" and a hash of uncommitted changes)
+    precedes `rev` in git's history."""
+    head = commit.split("+")[0]
+    found = subprocess.run(["git", "merge-base", "--is-ancestor", head, rev],
+                           cwd=Path(__file__).resolve().parent, capture_output=True)
+    same = subprocess.run(["git", "rev-parse", rev], cwd=Path(__file__).resolve().parent,
+                          capture_output=True, text=True).stdout.strip() == head
+    return found.returncode == 0 and not same
+
+
 def _git_commit() -> str:
     """HEAD, plus a hash of the uncommitted changes to the code the program is built from
     (others edit the kernels while the grid runs): points with the same string compiled
@@ -226,13 +271,20 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print the points, compile none")
     parser.add_argument("--topology", help="only the points on this topology, e.g. v5p:4x4x4")
     parser.add_argument("--limit", type=int, default=0, help="compile at most N points")
+    parser.add_argument("--strategy", help="only the points of this strategy")
+    parser.add_argument("--recompile-before", metavar="REV",
+                        help="compile again the points stored from a commit older than REV "
+                             "(a change to the code moved their figures); the new record "
+                             "replaces the old")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     points, skipped = grid_points(args.grid or ["fit", "heldout"])
-    points = [p for p in points if args.topology in (None, p.topology)]
+    points = [p for p in points if args.topology in (None, p.topology)
+              and args.strategy in (None, p.strategy)]
     for line in skipped:
         print(f"skip {line}")
-    done = {record_key(r) for r in load_records()}
+    done = {record_key(r) for r in load_records()
+            if not (args.recompile_before and _older_than(r["commit"], args.recompile_before))}
     todo = [p for p in points if point_key(p.topology, p.overrides, versions()) not in done]
     print(f"{len(points)} points, {len(points) - len(todo)} already in {DATA.name}")
     if args.list:
@@ -245,9 +297,7 @@ def main() -> None:
     for p in todo[:args.limit or None]:
         devices.setdefault(p.topology, aot.topology_devices(p.topology))
         record = compile_point(p, devices[p.topology])
-        DATA.parent.mkdir(exist_ok=True)
-        with DATA.open("a") as out:            # one line per point, kept if a later one crashes
-            out.write(json.dumps(record) + "\n")
+        store(record)
         hbm = record["hbm_bytes"]
         print(f"{p.grid} {p.topology} {p.seq_len:,} {p.remat} {p.strategy} u={p.ulysses}: "
               f"{'fits' if record['fits'] else 'does not fit'}, "

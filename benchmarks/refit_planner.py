@@ -28,9 +28,15 @@ from planner_grid import load_records, recipe_and_mesh, versions  # noqa: E402
 from lctrain.parallel import chips, planner  # noqa: E402
 
 # CALIBRATION entries the 8B grid cannot decide, left at the small models' values
-# (tests/test_planner.py's grid): at one model width the [tokens, d_model] tensors are a
-# fixed share of the MLP's [tokens, d_ff] ones, so any split between the two fits alike.
-KEPT = ("layer_width_tensors",)
+# (tests/test_planner.py's grid). None today: the MLP-chunk points (the MLP's [tokens, d_ff]
+# intermediates one chunk at a time) part the layer's [tokens, d_model] tensors from them.
+KEPT: tuple[str, ...] = ()
+# The issue's bound on every grid point; the refit aims a point inside it (XLA's figure
+# for one point moved 3% between commits of the same code's neighbours), weighing each
+# point's excess beyond its aim this much more than the rms.
+TOLERANCE = 0.15
+FIT_AIM = 0.14
+EXCESS_WEIGHT = 10.0
 
 
 def usable(records: list[dict], only_installed: bool = True) -> list[dict]:
@@ -98,7 +104,7 @@ def print_table(records: list[dict], title: str) -> None:
         print(f"{grid:<8} {len(errors)} points: worst {100 * worst:.1f}%, rms {100 * rms:.1f}%")
 
 
-def print_outside(records: list[dict], tolerance: float = 0.15) -> None:
+def print_outside(records: list[dict], tolerance: float = TOLERANCE) -> None:
     """The points beyond `tolerance`, as tests/test_planner_grid.py's OUTSIDE lists them."""
     print(f"\noutside {tolerance:.0%} (tests/test_planner_grid.py OUTSIDE):")
     for r in records:
@@ -119,17 +125,22 @@ def terms_that_matter(records: list[dict]) -> list[str]:
     return moving
 
 
-def refit(records: list[dict]) -> dict[str, float]:
-    """Nonnegative CALIBRATION values minimising worst + rms relative error over `records`
-    (the peak is a max of phases, so not linear in them: a derivative-free search)."""
+def refit(records: list[dict], tolerance: float = FIT_AIM) -> dict[str, float]:
+    """Nonnegative CALIBRATION values that bring as many of `records` as they can within
+    `tolerance` and then the rms relative error down: rms plus a steep penalty on each
+    point's excess beyond the tolerance, so that a point no value brings in (XLA's figure
+    moving where no term follows it) does not pull every other point off with it, as a
+    worst-error objective would (the peak is a max of phases, so not linear in them: a
+    derivative-free search)."""
     from scipy.optimize import minimize
     names = [n for n in terms_that_matter(records) if n not in KEPT]
     start = np.array([planner.CALIBRATION[n] for n in names])
 
     def objective(values: np.ndarray) -> float:
         with calibrated(dict(zip(names, np.abs(values)))):
-            worst, rms = summary([relative_error(r) for r in records])
-        return worst + rms
+            errors = [relative_error(r) for r in records]
+        excess = sum(max(abs(e) - tolerance, 0.0) for e in errors)
+        return summary(errors)[1] + EXCESS_WEIGHT * excess
 
     best = minimize(objective, start, method="Powell", options={"xtol": 1e-3, "ftol": 1e-5})
     return {n: round(float(abs(v)), 3) for n, v in zip(names, best.x)}

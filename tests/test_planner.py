@@ -50,7 +50,7 @@ def test_state_and_gradient_bytes_by_hand():
     assert estimate.memory["state"] == 12 * total // 4        # f32 params + AdamW mu, nu
     # f32 gradients (how many buffers of them: calibrated)
     assert estimate.memory["gradients"] == pytest.approx(
-        planner.CALIBRATION["gradient_copies"] * 4 * total // 4)
+        planner.CALIBRATION["gradient_copies"] * 4 * total / 4)
     # bf16 copies of the layer stacks (how many: calibrated on compiled programs)
     assert estimate.memory["weight_copies"] == pytest.approx(
         planner.CALIBRATION["weight_copies"] * 2 * 2 * layer / 4)

@@ -1,16 +1,18 @@
 """Where the memory estimate is known not to follow XLA, in the plan's own words.
 
 From the compiled grid in benchmarks/data/planner_grid.jsonl (llama3.1-8b, the four
-strategies, full and offloaded remat, 128K-8M tokens; `python benchmarks/refit_planner.py`
-prints it): on 4 chips at up to 128K tokens per chip every point lies within 10% of XLA's
-per-chip HBM, and ring's within 6% on 64 chips. Beyond that, XLA's figure moves where no
-formula of the code follows it: on 64 chips usp (Ulysses degree 32, above the 8 KV heads)
-grew 17% from 2M to 4M tokens with the layer inputs offloaded and 74% without, and
-all_gather's full-remat programs kept less of the layer-input stack than the other
-strategies; and XLA squeezes some programs near the chip's HBM (256K tokens per chip on 4
-chips, all_gather at 8M tokens on 64), so the estimate runs high there, but not all of
-them: recipes/llama3_8b_1m.yaml (MLP in chunks, off the grid) compiles 24% above the
-estimate for ring and 14% for usp.
+strategies; full remat, the layer inputs offloaded, and offloaded with the MLP in chunks;
+128K-8M tokens; `python benchmarks/refit_planner.py` prints it): on 4 chips every point
+lies within 15% of XLA's per-chip HBM, within 10% up to 128K tokens per chip. At 256K
+tokens per chip the estimate runs 6-14% high where XLA squeezes a program that needs more
+than the chip's HBM (the layer inputs offloaded, the MLP whole), and within 4% with the
+MLP in chunks (recipes/llama3_8b_1m.yaml: ring 2.6% low, ulysses 3.6% low, usp 2.5% high,
+all_gather 3.0% high). On 64 chips ring follows within 10%, but XLA's figure moves where
+no formula of the code follows it for usp with a Ulysses degree above the KV heads (32
+over 8; offloaded 10.0, 19.2, 21.1, 39.4 GB at 1M, 2M, 4M, 8M tokens, the estimate from
+25% under it at 2M to 12% over it at 4M) and for all_gather (its full-remat programs keep
+0.7-1.7 layer-input stacks; at 8M tokens offloaded XLA squeezes the program to 91 GB,
+under the chip's HBM, and the estimate runs 22% over it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 from lctrain.recipes.schema import Recipe
 
 # The most chips, and the most tokens per chip, where every strategy's estimate stayed
-# within 15% of the compiled figure.
+# within 10% of the compiled figure.
 CHIPS_FOLLOWED = 4
 TOKENS_PER_CHIP_FOLLOWED = 131072
 
@@ -31,13 +33,15 @@ def estimate_note(recipe: Recipe, axis_sizes: dict[str, int]) -> str | None:
     tokens_per_chip = recipe.data.seq_len // axis_sizes["context"]
     reasons = []
     if chips > CHIPS_FOLLOWED:
-        reasons.append("on 64 chips usp ran from 19% under XLA's figure to 15% over it, "
-                       "all_gather from 9% under to 25% over")
+        reasons.append("on 64 chips usp with a Ulysses degree above the KV heads ran from "
+                       "25% under XLA's figure to 12% over it, all_gather from 11% under "
+                       "to 22% over (8M tokens, where XLA squeezes the program under the "
+                       "chip's HBM)")
     if tokens_per_chip > TOKENS_PER_CHIP_FOLLOWED:
-        reasons.append(f"at {tokens_per_chip // 1024}K tokens per chip XLA squeezes some "
-                       f"programs near the chip's HBM (the estimate ran 8-17% high) and "
-                       f"not others (with the MLP in chunks, recipes/llama3_8b_1m.yaml: "
-                       f"24% low for ring, 14% for usp)")
+        reasons.append(f"at {tokens_per_chip // 1024}K tokens per chip the estimate ran up "
+                       f"to 14% high where XLA squeezes a program above the chip's HBM, "
+                       f"and within 4% with the MLP in chunks (recipes/llama3_8b_1m.yaml: "
+                       f"ring 2.6% low, usp 2.5% high)")
     if not reasons:
         return None
     return ("the memory estimate is rough here: on the compiled grid "

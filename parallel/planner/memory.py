@@ -15,8 +15,8 @@ Memory: a program's peak is what is alive together; per device
   layer attention  the same layer-wide terms with, instead of the MLP's, the strategy's
                    attention working set (gathered K/V and their f32 gradients; head-
                    sharded q, k, v, out; rotating K/V, f32 dK/dV and out/dq
-                   accumulators), the xla kernel's block scores or the pallas kernel's
-                   head-major copies of q, k, v, out, dout.
+                   accumulators), the xla kernel's block scores or splash's wide
+                   logsumexp.
   host             tensors a `custom` remat policy offloads, per layer, and the AdamW
                    moments with optimizer.offload (8 bytes / sharded parameter; the step
                    copies them in at its start, so they count on the device at the peak
@@ -30,14 +30,21 @@ assignment is larger than the live peak. CALIBRATION holds how many copies of ea
 count. They were first fitted on small models on v5p:2x2x1 (tests/test_planner.py's grid,
 where the traffic figures match XLA's collective bytes within 3.5%), and are now refitted
 (`python benchmarks/refit_planner.py --fit`) on the "fit" grid of
-benchmarks/data/planner_grid.jsonl: llama3.1-8b compiled for v5p:2x2x1 (128K, 512K tokens)
-and v5p:4x4x4 (1M, 4M), all_gather, ulysses, ring, usp x full and offloaded remat. There
-the estimate is within 15.3% of XLA's per-chip HBM (rms 7.1%, 28 points); on the held-out
-grid (256K, 1M on 4 chips; 2M, 8M on 64) within 25.3% (rms 11.3%, 23 points). What is
-left: usp with a Ulysses degree above the KV heads on 64 chips (XLA's figure moves
--19%..+15% around the estimate: from 2M to 4M tokens the offloaded program grows 17%, the
-full-remat one 74%), all_gather on 64 chips (+15% at 1M, +25% offloaded at 8M), and
-programs XLA squeezes near the chip's HBM (1M offloaded on 4 chips: 8-17% high).
+benchmarks/data/planner_grid.jsonl: llama3.1-8b compiled for v5p:2x2x1 (128K, 512K tokens;
+1M with the layer inputs offloaded and the MLP in chunks, recipes/llama3_8b_1m.yaml) and
+v5p:4x4x4 (1M, 4M), all_gather, ulysses, ring, usp x full and offloaded remat. There the
+estimate is within 14.0% of XLA's per-chip HBM (rms 6.3%, 32 points); on the held-out grid
+(256K, 1M on 4 chips, 512K with MLP chunks; 2M, 8M on 64) within 24.5% (rms 10.0%, 27
+points). Every point on 4 chips lies within 15%. What is left is on 64 chips, where XLA's
+figure moves where no formula of the code follows it: usp with a Ulysses degree above
+the KV heads (offloaded 10.0, 19.2, 21.1, 39.4 GB at 1M, 2M, 4M, 8M tokens: the estimate
+runs from 25% under at 2M to 12% over at 4M) and all_gather at 8M tokens offloaded,
+which XLA squeezes to 91 GB under the chip's HBM (the estimate 22% over it). The grid's
+points come from several commits: some stored before the ring's dq change (29ab51d) or
+later kernel and model edits were compiled again where time allowed (usp and ring on 64
+chips at 1M-8M, all_gather at 1M, ring at 512K offloaded: 0-6% off their old figures),
+and the MLP-chunk points are new (recipes/llama3_8b_1m.yaml's settings: 8192 tokens per
+chip).
 accuracy.py says so in the plan. The traffic figures are formulas of the code, checked
 exactly.
 """
@@ -51,6 +58,7 @@ from lctrain.kernels import splash
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.cost_model import F32, AttentionFootprint, Dims
 from lctrain.parallel.planner.shapes import Weights, loss_chunks, mlp_chunk_len
+from lctrain.parallel.ring_cost import ring_attention_footprint
 from lctrain.parallel.strategy import ContextStrategy, stored_chunk_tokens
 from lctrain.recipes.schema import Recipe
 
@@ -64,39 +72,39 @@ CALIBRATION = {
     # f32 [b, heads, block_q, block_kv] scores, probabilities, dp, ds of one block pair in
     # the xla kernel's loops.
     "kernel_block_scores": 1.9,
-    # pallas: head-major copies of the kernel's q, k, v, out, dout (the fit finds none
-    # beyond what the other terms hold).
-    "pallas_layout_copies": 0.047,
     # The strategy's attention working set in one layer's backward (as the code writes
     # it: gathered / all-to-all'd / rotating tensors and their gradients), per copy: XLA
     # reuses buffers between the forward and backward halves.
-    "attention_copies": 0.916,
-    # The same for the ring's rotating blocks and accumulators (and usp's all-to-alls
-    # around them). No program of the 8B grid peaks in a ring's attention (the MLP's
-    # intermediates are larger), so the grid leaves it free: the small models' value.
-    "ring_attention_copies": 0.35,
+    "attention_copies": 0.909,
+    # The same for a ring's rotating blocks and accumulators (usp's too). Only programs
+    # with the MLP in chunks (remat.mlp_chunk_tokens) peak there: fitted on
+    # recipes/llama3_8b_1m.yaml's ring and usp (the small models' value was 0.35).
+    "ring_attention_copies": 1.217,
     # One layer's backward MLP intermediates, in units of 5 [b, tokens, d_ff] (gate, up,
     # silu(gate) * up and two gradients; tokens: one chunk with remat.mlp_chunk_tokens):
     # the 64-chip ring program places bf16 [16384, 14336] buffers at 8-9 offsets.
-    "layer_backward": 1.631,
+    "layer_backward": 1.605,
     # [b, s_l, d_model] compute-dtype tensors alive in one layer's backward (inputs,
-    # residuals, norms, projections and their gradients). At one model width this is a
-    # fixed share of the MLP's term, so the 8B grid cannot decide it: the small models'
-    # value (benchmarks/refit_planner.py KEPT).
-    "layer_width_tensors": 7.0,
+    # residuals, norms, projections and their gradients). Without MLP chunks this is a
+    # fixed share of the MLP's term at one model width; the grid's MLP-chunk points (one
+    # chunk's [tokens, d_ff] intermediates) part the two.
+    "layer_width_tensors": 6.165,
     # Saved named tensors (minimal, custom) per copy the policy implies: XLA keeps the
     # scan's stacked residuals and a relayout of some of them.
     "saved_copies": 1.5,
     # The scan's stacked layer inputs (the carry every policy keeps unless it is
     # offloaded): the buffer assignment holds one bf16 [32, 1, s_l, 4096] stack, yet a
     # full-remat program's HBM exceeds its offloaded twin's by 1.3-2.0 stacks on 4 chips
-    # and 1.25-2.25 for ring and usp on 64 (all_gather on 64 chips: 0.7-1.7).
-    "stacked_input_copies": 1.53,
+    # and 1.25-2.25 for ring and usp on 64 (all_gather on 64 chips: 0.7-1.7). Fitted: the
+    # compiled figure (memory_analysis) exceeds the buffer assignment's own total by more
+    # with the stack on the device (usp, 1M tokens on v5p:4x4x4: by 5.5 GB against 2.0
+    # GB offloaded), so the extra copies are not tensors the dump names.
+    "stacked_input_copies": 1.559,
     # Compute-dtype copies of the stacked layer weights: the hoisted casts (one). With the
     # f32 gradients below it scales as 1 / ZeRO group on the 8B grid, so the two trade.
-    "weight_copies": 1.397,
+    "weight_copies": 1.422,
     # f32 gradient buffers in the layers' backward.
-    "gradient_copies": 1.022,
+    "gradient_copies": 1.023,
     # Copies of the gathered output weights (compute dtype) in the loss backward.
     "head_weight_copies": 1.0,
     # The gathered embedding and output tables (compute dtype), kept through the whole
@@ -172,8 +180,7 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
         "layer_weights": 3 * p * w.layer_gathered + 2 * F32 * w.mlp_gathered,
         "layer_width": CALIBRATION["layer_width_tensors"] * tokens * dm.e * p,
         "layer_mlp": CALIBRATION["layer_backward"] * mlp_tokens * 5 * dm.f * p,
-        "attention": footprint.working_set * CALIBRATION[
-            "ring_attention_copies" if dm.r > 1 else "attention_copies"],
+        "attention": _attention_working_set(dm, footprint),
         **_kernel_scratch(dm, footprint, impl, recipe),
     }
     if recipe.remat.policy == "save_all":
@@ -188,6 +195,19 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
     phased = {t for names in PHASES.values() for t in names}
     return Memory(terms, host, peak_phase, tuple(
         t for t in terms if t not in phased or t in PHASES[peak_phase]))
+
+
+def _attention_working_set(dm: Dims, footprint: AttentionFootprint) -> float:
+    """The strategy's attention working set, calibrated: without a ring (gathered or
+    all-to-all'd tensors) attention_copies times; with one, the ring's rotating blocks
+    and accumulators ring_attention_copies times, and nothing for usp's all-to-alls around
+    it: their local side holds the ring's q, k, v, out, dout in the other layout, freed as
+    the exchange goes (a copy of it beside the ring's, as usp's footprint counts it, is
+    what the compiled programs do not hold: 1M tokens on v5p:2x2x1 with the MLP in
+    chunks compiles to 83.74 GB for usp, 88.11 GB for ring)."""
+    if dm.r == 1:
+        return CALIBRATION["attention_copies"] * footprint.working_set
+    return CALIBRATION["ring_attention_copies"] * ring_attention_footprint(dm).working_set
 
 
 def _remat_tensors(dm: Dims) -> dict[str, float]:
@@ -236,19 +256,18 @@ def _saved_per_token(recipe: Recipe, dm: Dims) -> tuple[float, float]:
 def _kernel_scratch(dm: Dims, call: AttentionFootprint, impl: str,
                     recipe: Recipe) -> dict[str, float]:
     """The kernel's own memory for the strategy's kernel call: the xla kernel's block
-    scores or the Pallas kernels' layout copies (and splash's wide logsumexp)."""
-    b, d, p = dm.b, dm.d, dm.p
-    sq, skv, heads, kv = call.q_tokens, call.kv_tokens, call.heads, call.kv_heads
+    scores, splash's wide logsumexp. The Pallas kernels (ours and splash) add no copies of
+    q, k, v, out, dout: the strategies keep them in the kernel's own layout
+    (kernels.native_layout; the 8B grid's refit found 0.0 copies of a head-major relayout
+    beside the layer's tensors, where it found 0.047 before the kernels read their own
+    layout)."""
+    b = dm.b
+    sq, skv, heads = call.q_tokens, call.kv_tokens, call.heads
     terms: dict[str, float] = {}
-    if impl in ("pallas", "splash"):
-        # The Pallas kernels (ours and splash) work head-major: q, k, v, out, dout are
-        # transposed in XLA ([b, h, s, d]) as the kernel sees them.
-        terms["kernel_scratch"] = CALIBRATION["pallas_layout_copies"] * b * d * p * (
-            3 * sq * heads + 2 * skv * kv)
     if impl == "splash":
         # splash writes its logsumexp 128 lanes wide ([heads, sq, 128] f32) before keeping
         # lane 0 (1M tokens on 4 v5p chips, ring: +4.2 GB over our kernel, compiled)
-        terms["kernel_scratch"] += b * heads * sq * SPLASH_LSE_LANES * F32
+        terms["kernel_scratch"] = b * heads * sq * SPLASH_LSE_LANES * F32
     if impl == "xla":
         block_q, block_kv = min(recipe.attention.block_q, sq), min(recipe.attention.block_kv, skv)
         terms["kernel_scratch"] = (CALIBRATION["kernel_block_scores"]
