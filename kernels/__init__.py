@@ -28,19 +28,20 @@ class Kernel(NamedTuple):
     final out/lse of its rows (what ring attention's custom backward needs).
     `layout`: the one it computes in (the other costs a relayout of q, k, v, out per call).
     `takes_runs`: it classifies whole blocks and takes `run_tokens` (the length of the
-    contiguous runs of positions) to keep every block inside one run. `sums_dq`: its
-    block backward adds dq into a caller's f32 sum itself (`dq_sum`)."""
+    contiguous runs of positions) to keep every block inside one run. `sums_grads`: its
+    block backward adds dq, dk and dv into a caller's f32 sums itself (`dq_sum`,
+    `dkv_sum`)."""
     forward: Callable
     block_backward: Callable
     layout: str
     takes_runs: bool = False
-    sums_dq: bool = False
+    sums_grads: bool = False
 
 
 _IMPLS = {
     "xla": Kernel(xla.flash_attention, xla.flash_attention_backward, TOKENS_MAJOR),
     "pallas": Kernel(pallas.flash_attention, pallas.flash_attention_backward, HEADS_MAJOR,
-                     sums_dq=True),
+                     sums_grads=True),
     "splash": Kernel(splash.flash_attention, splash.flash_attention_backward, HEADS_MAJOR,
                      takes_runs=True),
 }
@@ -175,25 +176,27 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
 def attention_block_backward(q, k, v, delta, lse, dout, *, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, causal=True, impl="xla",
                              block_q=512, block_kv=512, platform=None, run_tokens=None,
-                             layout=TOKENS_MAJOR, dq_sum=None, window=None):
+                             layout=TOKENS_MAJOR, dq_sum=None, dkv_sum=None, window=None):
     """(dq, dk, dv) of attention between q and one kv block, where `lse` [b, hq, sq] is
     the rows' result over ALL kv blocks (merged by the caller) and `delta` [b, hq, sq]
     f32 is `row_dot(out, dout, layout)` of their final out: computed once by a caller
     that runs many kv blocks, which then need not keep out for them.
     q, k, v, dout and the results are in `layout`. With `dq_sum` (f32, q's shape)
-    dq is dq_sum plus this block's dq, in f32: what a caller summing dq over kv blocks
-    (ring attention) keeps, without a second q-sized f32 buffer where the kernel adds
-    into it itself."""
+    dq is dq_sum plus this block's dq, in f32; with `dkv_sum` (a pair of f32 arrays of
+    k's shape) dk and dv likewise: what a caller summing gradients over kv blocks (ring
+    attention) keeps, without second f32 buffers where the kernel adds into them itself."""
     check_window(window)
     kernel = _kernel_for(impl, platform, q, k, block_q, block_kv, run_tokens, layout, window)
-    summed = {"dq_sum": dq_sum} if kernel.sums_dq and dq_sum is not None else {}
+    summed = {"dq_sum": dq_sum, "dkv_sum": dkv_sum} if kernel.sums_grads else {}
     dq, dk, dv = kernel.block_backward(q, k, v, delta, lse, dout, q_positions, kv_positions,
                                        q_segment_ids, kv_segment_ids, causal=causal,
                                        window=window,
                                        block_q=block_q, block_kv=block_kv, platform=platform,
                                        layout=layout, **summed, **_runs(kernel, run_tokens))
-    if dq_sum is not None and not summed:
-        dq = dq_sum + dq.astype(jnp.float32)
+    if not summed:
+        dq = dq if dq_sum is None else dq_sum + dq.astype(jnp.float32)
+        if dkv_sum is not None:
+            dk, dv = (total + x.astype(jnp.float32) for total, x in zip(dkv_sum, (dk, dv)))
     return dq, dk, dv
 
 

@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import xla
-from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, row_dot, seq_len
+from .layout import HEADS_MAJOR, TOKENS_MAJOR, f32_zeros_after, relayout, row_dot, seq_len
 from .pallas_kernels import N_PREFETCH, backward_kernel, forward_kernel
 from .pallas_schedule import KeyMajor, Prefetch, QueryMajor, prefetch_arrays
 from .residuals import named_results
@@ -241,11 +241,12 @@ def _pallas_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, block
 
 
 def _pallas_backward(q, k, v, delta, lse, dout, q_pos, kv_pos, q_seg, kv_seg, causal,
-                     window, block_q, block_kv, interpret, layout, dq_sum=None):
+                     window, block_q, block_kv, interpret, layout, dq_sum=None, dkv_sum=None):
     """(dq, dk, dv) given delta (layout.row_dot of the rows' out and dout) minus the lse
     cotangent: ds = p * (dp - delta + dlse), one row for both. With `dq_sum` (f32, like
     q) dq is dq_sum plus this call's dq, added in the kernel's own f32 buffer (no second
-    q-sized f32 buffer: what ring attention sums over its steps)."""
+    q-sized f32 buffer: what ring attention sums over its steps); with `dkv_sum` (a pair
+    of f32 arrays like k, aliased to the dk and dv results) likewise dk and dv."""
     q, k, v, dout = (relayout(x, layout, HEADS_MAJOR) for x in (q, k, v, dout))
     pb = _problem(q, k, block_q, block_kv)
     prefetch, rows = _mask_inputs(pb, q_pos, kv_pos, q_seg, kv_seg, causal, window)
@@ -253,32 +254,38 @@ def _pallas_backward(q, k, v, delta, lse, dout, q_pos, kv_pos, q_seg, kv_seg, ca
     # Empty rows keep lse = -inf: they only occur in masked block pairs, where
     # exp(s - lse) = inf is replaced by 0 before it is used.
     lse = _stat_rows(lse)
-    operands = (*prefetch, q, k, v, dout, lse, delta, *rows)
+    dq_init = (f32_zeros_after((pb.b, pb.hq, pb.sq, pb.d), delta) if dq_sum is None
+               else relayout(dq_sum, layout, HEADS_MAJOR))
+    kv_sums = () if dkv_sum is None else tuple(relayout(x, layout, HEADS_MAJOR)
+                                               for x in dkv_sum)
+    sums = _vary_alike(dq_init, *kv_sums, q)[:-1]
+    operands = (*prefetch, q, k, v, dout, lse, delta, *rows, *sums)
 
     grid, locator, specs = pb.key_major()
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    dq_shape = (pb.b, pb.hq, pb.sq, pb.d)
+    kv_grad_dtype = _F32 if kv_sums else k.dtype
+    first_sum = len(operands) - len(sums)
     dq, dk, dv = pl.pallas_call(
         functools.partial(backward_kernel, grid=locator, causal=causal, window=window,
-                          scale=pb.scale, block_q=block_q),
+                          scale=pb.scale, block_q=block_q, sums_kv=bool(kv_sums)),
         grid_spec=_grid_spec(
             grid, [specs.q, specs.kv, specs.kv, specs.q, specs.stat_row, specs.stat_row,
-                   specs.q_row, specs.q_row, specs.kv_row, specs.kv_row, hbm],
+                   specs.q_row, specs.q_row, specs.kv_row, specs.kv_row, hbm,
+                   *[specs.kv] * len(kv_sums)],
             [hbm, specs.kv, specs.kv],
             [pltpu.VMEM((block_kv, pb.d), _F32),    # dk
              pltpu.VMEM((block_kv, pb.d), _F32),    # dv
              pltpu.VMEM((block_q, pb.d), _F32),     # the dq block being updated
              pltpu.SemaphoreType.DMA((2,)),         # its read, its write
              pltpu.SMEM((1,), jnp.int32)]),         # a write is in flight
-        out_shape=[_result(dq_shape, _F32, q),
-                   _result((pb.b, pb.hkv, pb.skv, pb.d), k.dtype, q),
-                   _result((pb.b, pb.hkv, pb.skv, pb.d), v.dtype, q)],
+        out_shape=[_result(dq_init.shape, _F32, q),
+                   _result((pb.b, pb.hkv, pb.skv, pb.d), kv_grad_dtype, q),
+                   _result((pb.b, pb.hkv, pb.skv, pb.d), kv_grad_dtype, q)],
         # dq sums over kv blocks: only batch and kv heads may be split across cores.
         compiler_params=_compiler_params(2, 3),
-        input_output_aliases={N_PREFETCH + 10: 0},
+        input_output_aliases={first_sum + i: i for i in range(len(sums))},
         interpret=interpret, name=MOSAIC_NAMES[1],
-    )(*operands, _vary_alike(jnp.zeros(dq_shape, _F32) if dq_sum is None
-                             else relayout(dq_sum, layout, HEADS_MAJOR), q)[0])
+    )(*operands)
     dq = dq if dq_sum is not None else dq.astype(q.dtype)
     return tuple(relayout(x, HEADS_MAJOR, layout) for x in (dq, dk, dv))
 
@@ -339,16 +346,16 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
 def flash_attention_backward(q, k, v, delta, lse, dout, q_positions, kv_positions,
                              q_segment_ids, kv_segment_ids, *, causal=True, window=None,
                              block_q=512, block_kv=512, platform=None, layout=TOKENS_MAJOR,
-                             dq_sum=None):
+                             dq_sum=None, dkv_sum=None):
     """(dq, dk, dv) of attention between q and one kv block, given the rows' FINAL lse
     and delta (layout.row_dot of out and dout; merged over all kv blocks by the caller,
     as ring attention does): then exp(s - lse) is this block's share of the global
-    softmax. With `dq_sum` (f32), dq is dq_sum + this block's dq, in f32 (the kernel
-    adds into it)."""
+    softmax. With `dq_sum` (f32), dq is dq_sum + this block's dq, in f32; with `dkv_sum`
+    (f32 pair) dk and dv likewise (the kernel adds into them)."""
     interpret = (platform or jax.default_backend()) == "cpu"
     blocks = _blocks(q, k, block_q, block_kv, interpret, layout)
     q, k, v, delta, lse, dout, *ids = _vary_alike(q, k, v, delta, lse, dout, q_positions,
                                                   kv_positions, q_segment_ids,
                                                   kv_segment_ids)
     return _pallas_backward(q, k, v, delta, lse, dout, *ids, bool(causal), window, *blocks,
-                            interpret, layout, dq_sum)
+                            interpret, layout, dq_sum, dkv_sum)

@@ -106,17 +106,22 @@ def forward_kernel(*refs, grid, causal, window, scale):
 
 # --------------------------------------------------------- backward kernel ----
 
-def backward_kernel(*refs, grid, causal, window, scale, block_q):
+def backward_kernel(*refs, grid, causal, window, scale, block_q, sums_kv):
     """dk, dv and dq of one (kv block, group member, q slot) step from one recomputation
     of the scores, in the transposed orientation pT = exp(k q^T * scale - lse_row)
     ([bk, bq]): dv += pT do, dk += dsT q, dq[q block] += scale * dsT^T k (into whatever
-    the dq buffer held: zeros, or a caller's running sum). dq sums over the kv blocks of an outer grid axis, so it cannot stay
-    in VMEM: it is read from and written back to an f32 HBM buffer by manual DMA, and
-    a step waits for the previous write before it reads (a block may recur at once)."""
+    the dq buffer held: zeros, or a caller's running sum). dq sums over the kv blocks of
+    an outer grid axis, so it cannot stay in VMEM: it is read from and written back to an
+    f32 HBM buffer by manual DMA, and a step waits for the previous write before it reads
+    (a block may recur at once). With `sums_kv`, two more inputs (a caller's running
+    dk and dv sums, f32, aliased to the dk and dv outputs) are added to the block's dk
+    and dv as they are written."""
     pf = Prefetch(*refs[:N_PREFETCH])
+    inputs = 13 if sums_kv else 11
     (q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, q_pos_ref, q_seg_ref, kv_pos_ref,
-     kv_seg_ref, _, dq_hbm, dk_ref, dv_ref, dk_acc_ref, dv_acc_ref, dq_buf, sems,
-     writing) = refs[N_PREFETCH:]
+     kv_seg_ref, _, *kv_sums) = refs[N_PREFETCH:N_PREFETCH + inputs]
+    (dq_hbm, dk_ref, dv_ref, dk_acc_ref, dv_acc_ref, dq_buf, sems,
+     writing) = refs[N_PREFETCH + inputs:]
     ids = _program_ids(5)
     j, member, slot = ids[2:]
     last_member, last_slot = pl.num_programs(3) - 1, pl.num_programs(4) - 1
@@ -159,6 +164,9 @@ def backward_kernel(*refs, grid, causal, window, scale, block_q):
 
     @pl.when(jnp.logical_and(member == last_member, slot == last_slot))
     def _finish():
-        dk_ref[...] = (scale * dk_acc_ref[...]).astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
+        dk, dv = scale * dk_acc_ref[...], dv_acc_ref[...]
+        if kv_sums:
+            dk, dv = dk + kv_sums[0][...], dv + kv_sums[1][...]
+        dk_ref[...] = dk.astype(dk_ref.dtype)
+        dv_ref[...] = dv.astype(dv_ref.dtype)
         pl.when(j == pl.num_programs(2) - 1)(finish_write)

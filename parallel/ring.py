@@ -10,10 +10,16 @@ forward keeps only q, k, v, out and logsumexp; the backward rotates K/V once mor
 recomputes each step's gradients from the final out/logsumexp. Chip j's dK/dV are summed
 on the way round: the sum starts on chip j+1, which holds j's K/V at step 1, gains each
 later chip's share and reaches chip j-1 at the last step; one more send brings it home,
-where chip j adds its own share (c-1 sends, as for K/V). A step adds the sum that arrived
-during its kernel to the block's fresh dK/dV only after the kernel, so that transfer
-overlaps the kernel too. Steps with nothing to attend (a chunk entirely in the causal
-future, or with a sliding window entirely behind it) are skipped.
+where chip j adds its own share (c-1 sends, as for K/V). The sum that arrives for a block
+is what the kernel adds the block's dK/dV into, in place and in f32 (kernels without
+that add it right after), so a step waits for it before its kernel: one f32 dK/dV buffer per step where adding after the kernel (the
+hop hidden behind it) holds three, the sum going out, the one coming in and the fresh
+block; llama3.1-8b at 1M tokens on v5p:2x2x1 (recipes/llama3_8b_1m.yaml) needs
+87.04 GB per chip this way, 88.11 GB that way (83.78 GB with dq's zeros made late,
+below). The hop a step then waits for moves 8 bytes per K/V element against the
+kernel's 10 * chunk * (query heads / KV heads) flops: at 256K tokens per chip under 1% of
+the kernel's time on v5p, at 8K about 12% (where the planner prefers other strategies). Steps with nothing to attend (a chunk entirely in the
+causal future, or with a sliding window entirely behind it) are skipped.
 
 Layout: q, k, v, out and the gradients travel and accumulate in the kernel's own layout
 (head-major for the Pallas kernels, kernels/layout.py), converted once per layer on the
@@ -28,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from lctrain import kernels
-from lctrain.kernels.layout import (HEADS_MAJOR, TOKENS_MAJOR, convert, relayout, row_dot,
-                                    tokens_major_shape)
+from lctrain.kernels.layout import (HEADS_MAJOR, TOKENS_MAJOR, convert, f32_zeros_after,
+                                    relayout, row_dot, tokens_major_shape)
 from lctrain.kernels.residuals import named_results
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import AttentionFootprint, Dims, RingTiming, Traffic
@@ -150,7 +156,7 @@ def _chunk(k, v, positions, segment_ids):
     """What travels for a K/V chunk: k, v and its token ids, positions and segment ids in
     one array. XLA keeps at most 5 collective-permutes in flight on TPU
     (xla_max_concurrent_async_collective_permutes): a middle backward step sends K, V, the
-    ids and the dK/dV sum (stacked too), 4; as six arrays, one would wait for the others."""
+    ids, dK and dV, 5; with the ids as two arrays, one would wait for the others."""
     return k, v, jnp.stack([positions, segment_ids])
 
 
@@ -208,33 +214,37 @@ def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
     q, k, v, out, dout = (relayout(x, given_layout, layout) for x in (q, k, v, out, dout))
     q, positions, segment_ids = _tied((q, positions, segment_ids))
 
-    def attend(dq, k, v, ids):
+    def attend(dq, k, v, ids, arrived):
         # delta is recomputed per step from out (a row sum; its reads are small next to
         # the kernel's). Computed once before the steps, out would die early and the
         # live set shrink by a q-sized buffer, yet XLA's TPU allocator packs the program
         # worse: llama3.1-8b at 1M tokens on v5p:2x2x1 compiles to 94.52 GB per chip
-        # that way, 88.11 GB this way.
+        # that way, 88.11 GB this way (measured before dK/dV were summed in place).
         delta = row_dot(out, dout, layout)
-        dq, block_dk, block_dv = kernels.attention_block_backward(
+        dq, dk, dv = kernels.attention_block_backward(
             q, k, v, delta, lse, dout, q_positions=positions, kv_positions=ids[0],
             q_segment_ids=segment_ids, kv_segment_ids=ids[1], causal=True, layout=layout,
-            dq_sum=dq, **options)
-        return dq, jnp.stack([block_dk, block_dv]).astype(jnp.float32)
+            dq_sum=dq, dkv_sum=arrived, **options)
+        return dq, (dk.astype(jnp.float32), dv.astype(jnp.float32))
 
-    def skip(dq, k, v, ids):
-        return dq, jnp.zeros((2, *k.shape), jnp.float32)
+    def skip(dq, k, v, ids, arrived):
+        return dq, arrived or tuple(jnp.zeros(k.shape, jnp.float32) for _ in range(2))
 
     def step(dq, kv, partial, send_kv):
-        """Returns dq, the next K/V chunk and this block's dK/dV (stacked, f32) plus the
-        sum that arrived for them; `partial` is the sum to pass on, None when none."""
+        """Returns dq, the next K/V chunk and this block's dK/dV (f32) plus the sum that
+        arrived for them; `partial` is the sum to pass on, None when none."""
         dq, kv, partial = _tied((dq, kv, partial))
         next_kv = _send_all(kv, axis_name) if send_kv else None
         arrived = _sent_on(partial, axis_name)
-        dq, fresh = jax.lax.cond(_may_attend(positions, kv[2][0], options.get("window")),
-                                 attend, skip, dq, *kv)
-        return _tied((dq, next_kv, _plus(fresh, arrived)))
+        dq, summed = jax.lax.cond(_may_attend(positions, kv[2][0], options.get("window")),
+                                  attend, skip, dq, *kv, arrived)
+        return _tied((dq, next_kv, summed))
 
-    dq = jnp.zeros(q.shape, jnp.float32)
+    # Zeros made once the recomputed forward's out exists, not a constant XLA would make
+    # early: 83.78 GB per chip for the 1M recipe against 87.04 GB. (Waiting for dout as
+    # well, which is later still, gives 87.04 GB again: XLA's TPU allocator, not the
+    # live set, decides the last gigabytes.)
+    dq = f32_zeros_after(q.shape, out)
     # Step 0, the chip's own chunk: its dK/dV stay here until the others' sum comes home.
     dq, kv, dkv = step(dq, _chunk(k, v, positions, segment_ids), None, send_kv=size > 1)
     if size > 1:
@@ -261,15 +271,17 @@ def _steps_after_the_first(step, dq, kv, size):
 
 
 def _sent_on(partial, axis_name):
-    """A dK/dV sum sent to the next chip (in DKV_TRANSPORT_DTYPE); None stays None."""
+    """A dK/dV sum (a pair) sent to the next chip (in DKV_TRANSPORT_DTYPE), arriving in
+    f32; None stays None."""
     if partial is None:
         return None
-    return _send_to_next(partial.astype(DKV_TRANSPORT_DTYPE), axis_name)
+    return tuple(_send_to_next(x.astype(DKV_TRANSPORT_DTYPE), axis_name).astype(jnp.float32)
+                 for x in partial)
 
 
 def _plus(fresh, arrived):
     """The block's f32 dK/dV plus the sum that arrived for them (if any)."""
-    return fresh if arrived is None else fresh + arrived.astype(jnp.float32)
+    return fresh if arrived is None else tuple(a + b for a, b in zip(fresh, arrived))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

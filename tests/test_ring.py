@@ -116,7 +116,7 @@ def ppermutes(jaxpr, times=1, counted=None):
 @pytest.mark.parametrize("c", [2, 4, 8])
 def test_c_minus_1_sends_of_each(c):
     """Forward and backward each pass K, V and the ids (positions and segment ids, one
-    array) c-1 times; the backward passes the stacked dK/dV sum c-1 times, the last
+    array) c-1 times; the backward passes the dK and dV sums c-1 times each, the last
     hop bringing it home."""
     seq = 16 * c
     q, k, v, dout, positions, segment_ids = inputs(seq, jnp.bfloat16)
@@ -130,7 +130,7 @@ def test_c_minus_1_sends_of_each(c):
     transport = jnp.dtype(ring.DKV_TRANSPORT_DTYPE).name
     assert sent == {((B, chunk, HKV, D), "bfloat16"): 2 * 2 * (c - 1),    # K and V
                     ((2, B, chunk), "int32"): 2 * (c - 1),                 # ids
-                    ((2, B, chunk, HKV, D), transport): c - 1}             # dK/dV sum
+                    ((B, chunk, HKV, D), transport): 2 * (c - 1)}          # dK, dV sums
 
 
 # ------------------------------------------------------ compiled TPU schedule ----
@@ -200,10 +200,10 @@ def sends_across_kernels(hlo: str):
 def test_each_step_sends_across_its_kernel_on_tpu():
     """The ring's VJP with our Pallas kernels (Mosaic custom calls) compiled for v5p 2x2x1
     (c = 4): in the forward, the scan's step (run c-1 times) has K, V and the ids in
-    flight across its kernel, the last step sends nothing. In the backward, steps 0 and 1
-    send K, V, ids; the middle step (one here) also the dK/dV sum; the last step the
-    sum only; the sum's hop home follows the last kernel, the one send with none to hide
-    behind."""
+    flight across its kernel, the last step sends nothing. In the backward, every step
+    but the last sends K, V, ids across its kernel; the dK and dV sums are not in flight
+    across any: the kernel adds into the sum that arrived (parallel/ring.py), so their
+    c-1 hops, two arrays each, finish before the kernels."""
     from tpu_aot import tpu_mesh
 
     mesh = tpu_mesh("v5p:2x2x1", {"data": 1, "fsdp": 1, "context": 4, "tensor": 1})
@@ -225,5 +225,5 @@ def test_each_step_sends_across_its_kernel_on_tpu():
     hlo = jax.jit(grads).lower(q, kv, kv, ids, ids, q).compile().as_text()
     forward, backward, idle = sends_across_kernels(hlo)
     assert sorted(forward) == [0, 3]
-    assert backward == [3, 3, 4, 1]
-    assert idle == 1
+    assert backward == [3, 3, 3, 0]
+    assert idle == 2 * 3
