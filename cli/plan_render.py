@@ -60,9 +60,21 @@ def render(result: Plan, console, title: str = "") -> None:
     if result.choice is not None:
         console.print(f"recommended: [bold]{result.choice.name}[/] - {escape(result.reason)}",
                       highlight=False, soft_wrap=True)
+    if result.choice is not None and result.choice.kinds:
+        console.print(kinds_line(result.choice), highlight=False, soft_wrap=True)
     if result.note and not compiled:
         console.print(f"[yellow]note:[/] {escape(result.note)}", highlight=False,
                       soft_wrap=True)
+
+
+def kinds_line(p) -> str:
+    """The recommended plan per layer kind (model.layer_pattern): each kind's strategy and
+    the traffic of its own collectives; the table's figures are the kinds' totals."""
+    kinds = "; ".join(
+        f"{kind} ({part.layers} layers{f', window {part.window:,}' if part.window else ''})"
+        f": {p.kind_name(part.strategy)}, {_gib(part.comm_bytes)} GiB/step of its own traffic"
+        for kind, part in p.kinds.items())
+    return f"per layer kind: {kinds}; the table's figures add up the kinds"
 
 
 def render_max_seq(longest: dict[str, dict[str, int]], console) -> None:

@@ -1,6 +1,11 @@
 """parallel.strategy=auto: pick a context-parallel strategy from the planner's estimate, then
 keep the first one whose compiled train step fits.
 
+On a model of several layer kinds (model.layer_pattern) the choice is a map kind ->
+strategy, each kind planned on its own (parallel/planner/layer_kinds.py: sliding layers on
+halo when their window fits the chunk); parallel.strategy may then be auto, or a map with
+auto for some kinds, the kinds it names kept.
+
 The planner (`parallel/planner/`) estimates every strategy the mesh allows (per-device
 memory at the step's peak, traffic, step time) and ranks them as its recommendation does:
 among the strategies that fit in device memory, the fastest estimated step, the simplest
@@ -20,7 +25,10 @@ from lctrain.parallel import planner
 from lctrain.parallel.chips import CHIPS, Chip, chip_for_device_kind
 from lctrain.parallel.layer_strategies import strategy_name
 from lctrain.parallel.planner.results import StrategyPlan
-from lctrain.recipes.schema import Recipe
+from lctrain.recipes.schema import Recipe, RecipeError
+
+# A strategy name, or (model.layer_pattern) a map layer kind -> name
+Strategy = str | dict[str, str]
 
 # Peak flops and link bandwidth only set the balance of compute and traffic; devices the
 # chip table does not know (CPU) are planned as a v5p with their own memory.
@@ -30,7 +38,7 @@ DEFAULT_CHIP = "v5p"
 @dataclasses.dataclass
 class AutoChoice:
     """What auto chose: (strategy, ulysses degree) best first, and the sentence to print."""
-    ranked: list[tuple[str, int]]
+    ranked: list[tuple[Strategy, int]]
     sentence: str
 
 
@@ -47,17 +55,55 @@ def ranked(plans: list[StrategyPlan]) -> list[StrategyPlan]:
 
 def ranked_strategies(recipe: Recipe, axis_sizes: dict[str, int], device_memory: int,
                       chip: Chip | None = None, platform: str = "tpu"
-                      ) -> tuple[list[tuple[str, int]], str]:
-    """[(strategy, ulysses degree)] best first, and the reason for the first in words."""
+                      ) -> tuple[list[tuple[Strategy, int]], str]:
+    """[(strategy, ulysses degree)] best first, and the reason for the first in words; on
+    a model of several layer kinds each strategy is a map kind -> name (the planner's per
+    kind, model.layer_pattern), keeping the kinds the recipe names."""
     if axis_sizes["context"] == 1:
-        return [("none", 1)], "mesh.context is 1"
+        return [(by_kind(recipe, "none"), 1)], "mesh.context is 1"
     chip = dataclasses.replace(chip or CHIPS[DEFAULT_CHIP], hbm_bytes=device_memory)
     result = planner.plan(recipe, chip, axis_sizes, platform)
-    return [(p.strategy, p.ulysses) for p in ranked(result.plans)], result.reason
+    named = named_kinds(recipe)
+    order = []
+    for p in ranked(result.plans):
+        if p.kinds is None:
+            order.append((p.strategy, p.ulysses))
+        elif named.get("global", p.kinds["global"].strategy) == p.kinds["global"].strategy:
+            choice = {**{kind: part.strategy for kind, part in p.kinds.items()}, **named}
+            if (choice, p.ulysses) not in order:
+                order.append((choice, p.ulysses))
+    if not order:
+        key, name = (("parallel.strategy.global", named["global"]) if "global" in named
+                     else ("parallel.strategy", recipe.parallel.strategy))
+        why = "; ".join(f"{s}: {w}" for s, w in result.skipped.items()) or "no candidate"
+        raise RecipeError(f"recipe key {key!r} = {name!r}: no strategy of the planner runs "
+                          f"on this mesh ({why}); change mesh.context or data.seq_len, or "
+                          f"name a strategy")
+    return order, result.reason
+
+
+def by_kind(recipe: Recipe, name: str) -> Strategy:
+    """`name` for every layer kind of a model with several, else `name`."""
+    kinds = dict.fromkeys(recipe.model.layer_kinds())
+    return {kind: name for kind in kinds} if recipe.model.layer_pattern else name
+
+
+def named_kinds(recipe: Recipe) -> dict[str, str]:
+    """The kinds a strategy map fixes (those it does not leave to auto)."""
+    strategy = recipe.parallel.strategy
+    return ({kind: name for kind, name in strategy.items() if name != "auto"}
+            if isinstance(strategy, dict) else {})
+
+
+def wants_auto(recipe: Recipe) -> bool:
+    """parallel.strategy is auto, or a map with auto for some kind."""
+    strategy = recipe.parallel.strategy
+    return "auto" in (strategy.values() if isinstance(strategy, dict) else [strategy])
 
 
 def choose_strategy(recipe: Recipe, axis_sizes: dict[str, int], device_memory: int,
-                    chip: Chip | None = None, platform: str = "tpu") -> tuple[str, int, str]:
+                    chip: Chip | None = None, platform: str = "tpu"
+                    ) -> tuple[Strategy, int, str]:
     """Returns (strategy, ulysses degree, the reason in words)."""
     order, reason = ranked_strategies(recipe, axis_sizes, device_memory, chip, platform)
     strategy, ulysses = order[0]
@@ -66,10 +112,10 @@ def choose_strategy(recipe: Recipe, axis_sizes: dict[str, int], device_memory: i
 
 def resolve_auto(recipe: Recipe, axis_sizes: dict[str, int], devices,
                  device_memory: int) -> AutoChoice | None:
-    """Replaces parallel.strategy=auto in `recipe` by the planner's pick for `devices`;
-    returns the ranking and the sentence to print (None when the recipe named a
-    strategy)."""
-    if recipe.parallel.strategy != "auto":
+    """Replaces parallel.strategy=auto (or auto for some kinds of a strategy map) in
+    `recipe` by the planner's pick for `devices`; returns the ranking and the sentence to
+    print (None when the recipe named every strategy)."""
+    if not wants_auto(recipe):
         return None
     order, reason = ranked_strategies(recipe, axis_sizes, device_memory,
                                       chip_for_device_kind(devices[0].device_kind),
@@ -104,8 +150,8 @@ def compiled_line(need: CompiledNeed, limit: int | None) -> str:
             f"{host}{took}")
 
 
-def first_that_fits(candidates: list[tuple[str, int]],
-                    compile_candidate: Callable[[str, int], tuple[Any, CompiledNeed]],
+def first_that_fits(candidates: list[tuple[Strategy, int]],
+                    compile_candidate: Callable[[Strategy, int], tuple[Any, CompiledNeed]],
                     limit: int | None, say: Callable[[str], None]
                     ) -> tuple[Any, CompiledNeed] | list[CompiledNeed]:
     """Compiles the candidates in order (each once) until one needs at most `limit` bytes

@@ -97,12 +97,14 @@ class Halo(ContextStrategy):
 
     @classmethod
     def traffic(cls, dm: Dims) -> Traffic:
-        """Per layer and forward pass (first and recomputed) (w-1) tokens of K, V and ids
-        per exchange; in the backward the halo's dK, dV go back (compute dtype)."""
+        """Per layer and forward pass (first and recomputed) (w-1) tokens of K and V per
+        exchange; in the backward the halo's dK, dV go back (compute dtype). The ids
+        (positions, segment ids) are the same in every layer: XLA sends them once per step
+        (compiled whole steps, tests/test_planner_kinds.py)."""
         kv = 2 * dm.kv * dm.d * dm.p
-        tokens = dm.layers * dm.b * halo_tokens(dm)
-        return {"strategy_halo": ("collective-permute",
-                                  tokens * (dm.attention_passes * (kv + TOKEN_IDS) + kv))}
+        tokens = dm.b * halo_tokens(dm)
+        return {"strategy_halo": ("collective-permute", tokens * (
+            dm.layers * (dm.attention_passes + 1) * kv + TOKEN_IDS))}
 
     def attend(self, q, k, v, positions, segment_ids, *, window=None):
         if window is None:

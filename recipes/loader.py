@@ -272,9 +272,6 @@ def _validate_layer_strategies(recipe: Recipe) -> None:
             require(kind in kinds, key, name,
                     f"the model has no {kind} layers (model.layer_pattern over model.layers "
                     f"{recipe.model.layers}); remove the key")
-            require(name != "auto", key, name,
-                    "auto picks one strategy for every layer: set parallel.strategy=auto "
-                    "as a whole, or name a strategy for each kind")
         missing = sorted(kinds - set(strategy))
         require(not missing, "parallel.strategy", strategy,
                 f"names no strategy for the {', '.join(missing)} layers; add "

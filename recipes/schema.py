@@ -135,7 +135,7 @@ class ParallelConfig:
         "none", "Context-parallel strategy; 'none' needs mesh.context == 1, the others but "
                 "auto mesh.context >= 2. With model.layer_pattern, a strategy for every "
                 "layer kind, e.g. {global: ring, sliding: halo} (halo runs sliding layers "
-                "only; auto only as a single name, for every layer); one name serves all.")
+                "only; auto, whole or for some kinds, plans each kind); one name serves all.")
     load_balance: bool = option(
         True, "Reorder the sequence once on input so causal work is even across context ranks.")
     ulysses: int = option(1, "usp only: Ulysses degree inside mesh.context (ring gets the rest).")

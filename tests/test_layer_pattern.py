@@ -156,8 +156,6 @@ CONTEXT = ["mesh.context=4", "mesh.data=2"]
      "parallel.strategy.global", "halo runs sliding-window layers only"),
     ([*CONTEXT, "parallel.strategy=halo"], "parallel.strategy",
      "halo runs sliding-window layers only"),
-    ([*SHORT_MODEL, *CONTEXT, "parallel.strategy={global: auto, sliding: halo}"],
-     "parallel.strategy.global", "auto picks one strategy for every layer"),
     ([*SHORT_MODEL, *CONTEXT, "parallel.strategy={global: ring, sliding: usp}",
       "parallel.ulysses=2"], "parallel.strategy.global", "which ring does not run on"),
 ])

@@ -24,7 +24,7 @@ from typing import Callable, ContextManager
 
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.planner.choice import recommend
-from lctrain.parallel.planner.estimate import recipe_for_strategy
+from lctrain.parallel.planner.estimate import recipe_for_plan
 from lctrain.parallel.planner.results import Plan
 from lctrain.recipes.schema import Recipe
 
@@ -205,8 +205,7 @@ def attach_compiled(result: Plan, recipe: Recipe, devices,
     `workers` (default compile_workers) is above one."""
     labels = {f"compiled {p.name}, seq {recipe.data.seq_len:,}, for {len(devices)} devices": p
               for p in result.plans}
-    variants = {label: recipe_for_strategy(recipe, p.strategy, p.ulysses)
-                for label, p in labels.items()}
+    variants = {label: recipe_for_plan(recipe, p) for label, p in labels.items()}
     keys = {label: cache_key(variant, devices) if use_cache else None
             for label, variant in variants.items()}
     missing = [label for label in labels if read_cached(keys[label]) is None]

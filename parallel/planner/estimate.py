@@ -7,6 +7,7 @@ import dataclasses
 
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.chips import Chip
+from lctrain.parallel.planner import layer_kinds
 from lctrain.parallel.planner.memory import kernel_impl, memory
 from lctrain.parallel.planner.results import StrategyPlan
 from lctrain.parallel.planner.shapes import dims, weights
@@ -24,11 +25,25 @@ def recipe_for_strategy(recipe: Recipe, strategy: str, ulysses: int = 1) -> Reci
     return dataclasses.replace(recipe, parallel=parallel)
 
 
+def recipe_for_plan(recipe: Recipe, p: StrategyPlan) -> Recipe:
+    """A copy of the recipe running plan `p`: its strategy, or on a model of several
+    layer kinds its strategy per kind."""
+    variant = recipe_for_strategy(recipe, p.strategy, p.ulysses)
+    if p.kinds is not None:
+        variant.parallel.strategy = {kind: part.strategy for kind, part in p.kinds.items()}
+    return variant
+
+
 def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: str,
              ulysses: int = 1, platform: str = "tpu") -> StrategyPlan:
     """The analytic plan of one strategy (the modules' docstrings give every term)."""
     cost_model = STRATEGIES[strategy]
     dm = dims(recipe, axis_sizes, strategy, ulysses)
+    kinds = None
+    if layer_kinds.is_mixed(recipe):   # `strategy` serves the global layers
+        choice = layer_kinds.choice_for(recipe, axis_sizes, strategy, ulysses)
+        cost_model = layer_kinds.cost_model(recipe, axis_sizes, choice, dims)
+        kinds = layer_kinds.kind_plans(cost_model, dm.accum)
     w = weights(recipe, axis_sizes, dm.c)
     impl = kernel_impl(recipe_for_strategy(recipe, strategy, ulysses), platform, axis_sizes)
     held = memory(recipe, dm, w, cost_model, impl)
@@ -41,4 +56,4 @@ def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: s
         host=held.host, comm=by_kind(detail),
         comm_detail={source: nbytes for source, (_, nbytes) in detail.items()},
         **dataclasses.asdict(time), peak_flops=chip.peak_bf16_flops,
-        hbm_capacity=chip.hbm_bytes, host_capacity=chip.host_bytes)
+        hbm_capacity=chip.hbm_bytes, host_capacity=chip.host_bytes, kinds=kinds)

@@ -31,12 +31,19 @@ class StrategyPlan:
     hbm_capacity: float
     host_capacity: float
     compiled: dict | None = None                  # --compile: XLA's own figures
+    kinds: dict | None = None                     # model.layer_pattern: kind -> KindPlan
 
     @property
     def name(self) -> str:
-        if STRATEGIES[self.strategy].takes_ulysses_degree:
-            return f"{self.strategy}(u={self.ulysses})"
-        return self.strategy
+        if self.kinds is not None:
+            return ", ".join(f"{kind}: {self.kind_name(part.strategy)}"
+                             for kind, part in self.kinds.items())
+        return self.kind_name(self.strategy)
+
+    def kind_name(self, strategy: str) -> str:
+        if STRATEGIES[strategy].takes_ulysses_degree:
+            return f"{strategy}(u={self.ulysses})"
+        return strategy
 
     @property
     def hbm_bytes(self) -> float:
@@ -102,6 +109,9 @@ class StrategyPlan:
             "mfu_upper_bound": self.mfu_bound, "ring_comm_hidden": self.ring_hidden,
             "fits": self.fits,
         }
+        if self.kinds is not None:
+            out["layer_kinds"] = {kind: dataclasses.asdict(part)
+                                  for kind, part in self.kinds.items()}
         if self.compiled is not None:
             out.update(self.compiled_json())
         return out

@@ -18,6 +18,7 @@ import math
 
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import RING_SENDS, RingTiming, Traffic
+from lctrain.parallel.planner import layer_kinds
 from lctrain.parallel.planner.shapes import count_parameters, loss_chunks
 from lctrain.parallel.planner.traffic import DCN
 from lctrain.recipes.schema import Recipe
@@ -75,6 +76,8 @@ def _flops_per_device(recipe: Recipe, axis_sizes: dict[str, int]) -> dict:
     tokens = recipe.data.batch_size * recipe.data.seq_len
     params = count_parameters(recipe)
     attention_fwd = 2 * m.layers * recipe.data.seq_len * m.n_heads * m.head_dim  # causal
+    if layer_kinds.is_mixed(recipe):   # sliding layers see a window, not the sequence
+        attention_fwd *= layer_kinds.attention_keys_per_query(recipe)
     model = tokens * (6 * params + 3 * attention_fwd)
     extra = 0
     layer_params = params - m.vocab * m.d_model * (1 if m.tie_embeddings else 2) - m.d_model

@@ -1,0 +1,149 @@
+"""The planner per layer kind (parallel/planner/layer_kinds.py): a model of global and
+sliding-window layers (model.layer_pattern) is planned with each kind's strategy over its
+own layers and window, and auto chooses a strategy per kind."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from lctrain.parallel import planner
+from lctrain.parallel.auto import choose_strategy, ranked_strategies
+from lctrain.parallel.chips import CHIPS
+from lctrain.parallel.halo import Halo
+from lctrain.parallel.hlo import collective_bytes
+from lctrain.parallel.planner import layer_kinds
+from lctrain.parallel.planner.estimate import recipe_for_plan
+from lctrain.parallel.planner.shapes import dims
+from lctrain.recipes.loader import load_recipe
+from lctrain.recipes.schema import RecipeError
+
+V5P = CHIPS["v5p"]
+CONTEXT4 = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+WINDOW = 64
+ALL_GLOBAL = ["model.layers=7", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+              "model.head_dim=16", "model.d_ff=128", "model.vocab=256", "attention.impl=xla",
+              "data.seq_len=1024", "data.batch_size=1", "mesh.data=1", "mesh.context=4"]
+# 7 layers: sliding, sliding, global, sliding, sliding, global, sliding.
+MIXED = [*ALL_GLOBAL,
+         f"model.layer_pattern=[{{kind: sliding, count: 2, window: {WINDOW}}}, {{kind: global}}]"]
+SLIDING_LAYERS, GLOBAL_LAYERS = 5, 2
+
+
+def mixed(*overrides):
+    return load_recipe(None, [*MIXED, "parallel.strategy={global: ring, sliding: halo}",
+                              *overrides])
+
+
+def plan_of(recipe, strategy):
+    return planner.estimate(recipe, CONTEXT4, V5P, strategy)
+
+
+def halo_bytes(recipe, layers):
+    sliding = dataclasses.replace(dims(recipe, CONTEXT4, "halo", 1), layers=layers,
+                                  window=WINDOW)
+    return Halo.traffic(sliding)["strategy_halo"][1]
+
+
+def test_halo_traffic_is_its_cost_model_over_the_sliding_layers():
+    """K/V per sliding layer, the ids once per step (the same in every layer)."""
+    recipe = mixed()
+    per_layer = halo_bytes(recipe, 2) - halo_bytes(recipe, 1)
+    ids = halo_bytes(recipe, 1) - per_layer
+    p = plan_of(recipe, "ring")
+    assert p.comm_detail["strategy_halo"] == SLIDING_LAYERS * per_layer + ids
+    assert ids == 2 * (WINDOW - 1) * 8 and per_layer > 0
+    assert p.kinds["sliding"].comm_bytes == p.comm_detail["strategy_halo"]
+    # Halo's traffic depends on the window, not the sequence.
+    longer = plan_of(mixed("data.seq_len=4096"), "ring")
+    assert longer.comm_detail["strategy_halo"] == p.comm_detail["strategy_halo"]
+
+
+def test_the_kinds_add_up_to_the_totals():
+    p = plan_of(mixed(), "ring")
+    assert {kind: part.layers for kind, part in p.kinds.items()} == {
+        "global": GLOBAL_LAYERS, "sliding": SLIDING_LAYERS}
+    own = sum(nbytes for source, nbytes in p.comm_detail.items() if source.startswith("strategy"))
+    assert sum(part.comm_bytes for part in p.kinds.values()) == pytest.approx(own)
+    # The global layers' ring over 2 layers is 2/7 of the ring over the whole model.
+    all_ring = plan_of(load_recipe(None, [*ALL_GLOBAL, "parallel.strategy=ring"]), "ring")
+    assert p.comm_detail["strategy_ring"] == pytest.approx(
+        all_ring.comm_detail["strategy_ring"] * GLOBAL_LAYERS / 7)
+
+
+def test_sliding_layers_cost_window_over_sequence_attention_flops():
+    recipe = mixed("data.seq_len=8192")
+    s = recipe.data.seq_len
+    sliding_share = (WINDOW - WINDOW * (WINDOW - 1) / (2 * s)) / (s / 2)
+    assert layer_kinds.attention_keys_per_query(recipe) == pytest.approx(
+        (GLOBAL_LAYERS + SLIDING_LAYERS * sliding_share) / 7)
+    # Fewer attention flops than the same layers all global.
+    all_global = load_recipe(None, [*ALL_GLOBAL, "data.seq_len=8192", "parallel.strategy=ring"])
+    assert plan_of(recipe, "ring").model_flops < plan_of(all_global, "ring").model_flops
+
+
+def test_a_model_without_a_pattern_plans_as_before():
+    recipe = load_recipe(None, [*ALL_GLOBAL, "parallel.strategy=ring"])
+    p = plan_of(recipe, "ring")
+    assert p.kinds is None and "strategy_halo" not in p.comm_detail
+
+
+def test_planned_halo_traffic_matches_the_compiled_hlo():
+    """CPU compile of the whole train step (all_gather on the global layers, so halo's
+    sends are the step's only collective-permutes)."""
+    from lctrain.parallel import aot
+    recipe = mixed("parallel.strategy={global: all_gather, sliding: halo}")
+    compiled = aot.compile_train_step(recipe, jax.devices()[:4])
+    counted = collective_bytes(compiled.as_text()).bytes_by_kind["collective-permute"]
+    assert counted == plan_of(recipe, "all_gather").comm_detail["strategy_halo"]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "{global: auto, sliding: auto}",
+                                      "{global: auto, sliding: halo}"])
+def test_auto_picks_halo_for_sliding_layers_and_a_global_strategy(strategy):
+    recipe = load_recipe(None, [*MIXED, f"parallel.strategy={strategy}"])
+    choice, _, reason = choose_strategy(recipe, CONTEXT4, 95 * 2**30)
+    assert choice["sliding"] == "halo" and choice["global"] in ("all_gather", "ulysses", "ring")
+    expected = planner.plan(recipe, V5P, CONTEXT4).choice
+    assert choice["global"] == expected.kinds["global"].strategy and "GiB" in reason
+
+
+def test_auto_keeps_a_kind_the_map_names():
+    recipe = load_recipe(None, [*MIXED, "parallel.strategy={global: ring, sliding: auto}"])
+    order, _ = ranked_strategies(recipe, CONTEXT4, 95 * 2**30)
+    assert order == [({"global": "ring", "sliding": "halo"}, 1)]
+
+
+def test_auto_runs_sliding_layers_on_the_global_strategy_when_the_window_is_too_wide():
+    # 1024 tokens over 4 chips, load-balanced: chunks of 128 tokens; window - 1 = 199.
+    recipe = load_recipe(None, [*MIXED, "parallel.strategy=auto",
+                                "model.layer_pattern=[{kind: sliding, count: 2, window: 200}, "
+                                "{kind: global}]"])
+    choice, _, _ = choose_strategy(recipe, CONTEXT4, 95 * 2**30)
+    assert choice["sliding"] == choice["global"] != "halo"
+
+
+def test_auto_refuses_when_the_named_global_strategy_cannot_run():
+    # Ulysses splits the heads over mesh.context (4): 2 heads do not divide.
+    recipe = load_recipe(None, [*MIXED, "model.n_heads=2", "model.n_kv_heads=1",
+                                "parallel.strategy={global: ulysses, sliding: auto}"])
+    with pytest.raises(RecipeError) as err:
+        ranked_strategies(recipe, CONTEXT4, 95 * 2**30)
+    message = str(err.value)
+    assert "'parallel.strategy.global' = 'ulysses'" in message and "\n" not in message
+
+
+def test_plan_shows_each_kinds_choice_and_compiles_the_map():
+    from rich.console import Console
+
+    from lctrain.cli.plan_render import render
+    result = planner.plan(mixed(), V5P, CONTEXT4)
+    console = Console(record=True, width=400)
+    render(result, console)
+    text = console.export_text()
+    assert "global: ring, sliding: halo" in text
+    assert "sliding (5 layers, window 64): halo" in text and "global (2 layers)" in text
+    # plan --compile compiles each plan's map, not its global strategy everywhere
+    ring = next(p for p in result.plans if p.strategy == "ring")
+    assert recipe_for_plan(mixed(), ring).parallel.strategy == {"global": "ring",
+                                                               "sliding": "halo"}
