@@ -60,19 +60,3 @@ def pinned_row_major(x):
     on every call; pinned once where a layer converts its tensors, they stay put."""
     return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
-
-def f32_zeros_after(shape: tuple[int, ...], *xs):
-    """Zeros of `shape` (f32) that XLA can only make once every x in `xs` exists.
-
-    A gradient sum that starts from zeros (dq, added into by the backward kernel) would
-    otherwise be a constant that XLA's scheduler materialises early, holding a q-sized f32
-    buffer through the work that precedes the kernel (the rematerialised forward, the MLP's
-    backward): 4 GiB per chip for llama3.1-8b at 1M tokens on 4 chips. Callers pass what
-    the kernel needs last (out and dout, or delta made from both). XLA sees through an
-    optimization barrier on a constant, not through 0 * (x's first element, made finite:
-    a NaN there may belong to a row that no other row depends on)."""
-    def zero_from(x):
-        first = x.reshape(-1)[0].astype(jnp.float32)
-        return 0.0 * jnp.where(jnp.isfinite(first), first, 0.0)
-
-    return jnp.broadcast_to(sum(zero_from(x) for x in xs), shape)

@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import xla
-from .layout import HEADS_MAJOR, TOKENS_MAJOR, f32_zeros_after, relayout, row_dot, seq_len
+from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, row_dot, seq_len
 from .pallas_kernels import N_PREFETCH, backward_kernel, forward_kernel
 from .pallas_schedule import KeyMajor, Prefetch, QueryMajor, prefetch_arrays
 from .residuals import named_results
@@ -254,7 +254,7 @@ def _pallas_backward(q, k, v, delta, lse, dout, q_pos, kv_pos, q_seg, kv_seg, ca
     # Empty rows keep lse = -inf: they only occur in masked block pairs, where
     # exp(s - lse) = inf is replaced by 0 before it is used.
     lse = _stat_rows(lse)
-    dq_init = (f32_zeros_after((pb.b, pb.hq, pb.sq, pb.d), delta) if dq_sum is None
+    dq_init = (jnp.zeros((pb.b, pb.hq, pb.sq, pb.d), _F32) if dq_sum is None
                else relayout(dq_sum, layout, HEADS_MAJOR))
     kv_sums = () if dkv_sum is None else tuple(relayout(x, layout, HEADS_MAJOR)
                                                for x in dkv_sum)

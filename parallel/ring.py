@@ -15,8 +15,7 @@ is what the kernel adds the block's dK/dV into, in place and in f32 (kernels wit
 that add it right after), so a step waits for it before its kernel: one f32 dK/dV buffer per step where adding after the kernel (the
 hop hidden behind it) holds three, the sum going out, the one coming in and the fresh
 block; llama3.1-8b at 1M tokens on v5p:2x2x1 (recipes/llama3_8b_1m.yaml) needs
-87.04 GB per chip this way, 88.11 GB that way (83.78 GB with dq's zeros made late,
-below). The hop a step then waits for moves 8 bytes per K/V element against the
+87.04 GB per chip this way, 88.11 GB that way. The hop a step then waits for moves 8 bytes per K/V element against the
 kernel's 10 * chunk * (query heads / KV heads) flops: at 256K tokens per chip under 1% of
 the kernel's time on v5p, at 8K about 12% (where the planner prefers other strategies). Steps with nothing to attend (a chunk entirely in the
 causal future, or with a sliding window entirely behind it) are skipped.
@@ -34,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from lctrain import kernels
-from lctrain.kernels.layout import (HEADS_MAJOR, TOKENS_MAJOR, convert, f32_zeros_after,
-                                    relayout, row_dot, tokens_major_shape)
+from lctrain.kernels.layout import (HEADS_MAJOR, TOKENS_MAJOR, convert, relayout, row_dot,
+                                    tokens_major_shape)
 from lctrain.kernels.residuals import named_results
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import AttentionFootprint, Dims, RingTiming, Traffic
@@ -240,11 +239,12 @@ def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
                                   attend, skip, dq, *kv, arrived)
         return _tied((dq, next_kv, summed))
 
-    # Zeros made once the recomputed forward's out exists, not a constant XLA would make
-    # early: 83.78 GB per chip for the 1M recipe against 87.04 GB. (Waiting for dout as
-    # well, which is later still, gives 87.04 GB again: XLA's TPU allocator, not the
-    # live set, decides the last gigabytes.)
-    dq = f32_zeros_after(q.shape, out)
+    # Zeros XLA may make early, holding 4 GiB per chip through the work before the first
+    # kernel at 1M tokens on 4 chips. Made from a result of that work instead (0 x out),
+    # the program needs 83.78 GB instead of 87.04, but XLA:CPU then corrupts buffers in
+    # the interpreted Pallas kernel that adds into them (tests/test_halo.py's windowed ring
+    # gets NaNs): left as a constant until that is understood.
+    dq = jnp.zeros(q.shape, jnp.float32)
     # Step 0, the chip's own chunk: its dK/dV stay here until the others' sum comes home.
     dq, kv, dkv = step(dq, _chunk(k, v, positions, segment_ids), None, send_kv=size > 1)
     if size > 1:

@@ -5,9 +5,9 @@ strategies; full remat, the layer inputs offloaded, and offloaded with the MLP i
 128K-8M tokens; `python benchmarks/refit_planner.py` prints it): on 4 chips every point
 lies within 15% of XLA's per-chip HBM, within 10% up to 128K tokens per chip. At 256K
 tokens per chip the estimate runs 6-14% high where XLA squeezes a program that needs more
-than the chip's HBM (the layer inputs offloaded, the MLP whole), and within 5% with the
-MLP in chunks (recipes/llama3_8b_1m.yaml: ring 3.8% low, ulysses 3.6% low, usp 5.0% low,
-all_gather 3.0% high, against the ring's program with dK/dV summed in place). On 64 chips ring follows within 10%, but XLA's figure moves where
+than the chip's HBM (the layer inputs offloaded, the MLP whole), and within 4% with the
+MLP in chunks (recipes/llama3_8b_1m.yaml: ring 1.4% low, ulysses 3.6% low, usp 2.5% high,
+all_gather 3.0% high). On 64 chips ring follows within 10%, but XLA's figure moves where
 no formula of the code follows it for usp with a Ulysses degree above the KV heads (32
 over 8; offloaded 10.0, 19.2, 21.1, 39.4 GB at 1M, 2M, 4M, 8M tokens, the estimate from
 25% under it at 2M to 12% over it at 4M) and for all_gather (its full-remat programs keep
@@ -40,8 +40,8 @@ def estimate_note(recipe: Recipe, axis_sizes: dict[str, int]) -> str | None:
     if tokens_per_chip > TOKENS_PER_CHIP_FOLLOWED:
         reasons.append(f"at {tokens_per_chip // 1024}K tokens per chip the estimate ran up "
                        f"to 14% high where XLA squeezes a program above the chip's HBM, "
-                       f"and within 5% with the MLP in chunks (recipes/llama3_8b_1m.yaml: "
-                       f"ring 3.8% low, usp 5.0% low)")
+                       f"and within 4% with the MLP in chunks (recipes/llama3_8b_1m.yaml: "
+                       f"ring 1.4% low, usp 2.5% high)")
     if not reasons:
         return None
     return ("the memory estimate is rough here: on the compiled grid "

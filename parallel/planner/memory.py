@@ -204,8 +204,7 @@ def _attention_working_set(dm: Dims, footprint: AttentionFootprint) -> float:
     it: their local side holds the ring's q, k, v, out, dout in the other layout, freed as
     the exchange goes (a copy of it beside the ring's, as usp's footprint counts it, is
     what the compiled programs do not hold: 1M tokens on v5p:2x2x1 with the MLP in
-    chunks compiled to 83.74 GB for usp, 88.11 GB for ring; 84.84 and 83.78 GB since the
-    ring sums dK/dV in place)."""
+    chunks compiles to 83.74 GB for usp, 87.04 GB for ring)."""
     if dm.r == 1:
         return CALIBRATION["attention_copies"] * footprint.working_set
     return CALIBRATION["ring_attention_copies"] * ring_attention_footprint(dm).working_set
