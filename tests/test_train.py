@@ -118,16 +118,17 @@ def saving_now(run_dir):
         run_dir / "checkpoints").exists() else False
 
 
-def test_killed_five_times_resumes_with_identical_losses(tmp_path):
-    """SIGKILL at five points (the first while a checkpoint is being written), then run to
-    the end: every step's loss equals the uninterrupted run's, bit for bit."""
+def test_killed_three_times_resumes_with_identical_losses(tmp_path):
+    """SIGKILL at three points (the first while a checkpoint is being written, the others
+    mid-training), then run to the end: every step's loss equals the uninterrupted run's,
+    bit for bit. Each kill costs a process start and a compile; three cover both kinds."""
     env = {**os.environ, "XLA_FLAGS": ""}
     uninterrupted = tmp_path / "uninterrupted"
     subprocess.run(lctrain(uninterrupted), check=True, env=env, capture_output=True)
 
     killed = tmp_path / "killed"
     rng = np.random.default_rng(0)
-    for round_ in range(5):
+    for round_ in range(3):
         reached = max(losses_by_step(killed), default=0)
         process = subprocess.Popen(lctrain(killed), env=env, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
