@@ -65,7 +65,7 @@ class RopeScalingConfig:
 @dataclass
 class LayerGroupConfig:
     """One group of model.layer_pattern: `count` consecutive layers of one kind."""
-    kind: Literal["global", "sliding"] = option(
+    kind: Literal[LAYER_KINDS] = option(
         "global", "global: causal attention over the whole sequence (as without a pattern); "
                   "sliding: each query sees only the `window` latest tokens of its document, "
                   "itself included (transformers' sliding_window).")
