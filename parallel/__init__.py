@@ -13,6 +13,7 @@ from .layer_strategies import LayerStrategies, layer_strategies
 from .mesh import MESH_AXES, build_mesh, describe_devices
 from .none import NoContextParallel
 from .ring import Ring
+from .state_passing import StatePassing
 from .strategy import ContextStrategy, load_balanced_order
 from .ulysses import Ulysses
 from .usp import UnifiedSequenceParallel
@@ -21,7 +22,8 @@ from .usp import UnifiedSequenceParallel
 # here).
 STRATEGIES: dict[str, type[ContextStrategy]] = {
     strategy.name: strategy for strategy in (NoContextParallel, AllGather, Ulysses,
-                                             Ring, UnifiedSequenceParallel, Halo)
+                                             Ring, UnifiedSequenceParallel, Halo,
+                                             StatePassing)
 }
 # The recipe schema cannot import this registry (it is read before jax starts), so it
 # keeps the names; they must be these, plus auto.

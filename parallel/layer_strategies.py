@@ -14,6 +14,7 @@ import numpy as np
 
 from lctrain.recipes.schema import Recipe, RecipeError
 
+from .linear_mix import linear_mix
 from .strategy import ContextStrategy
 
 
@@ -23,7 +24,7 @@ class LayerStrategies:
     `gather_weight`), read from the first kind's strategy."""
 
     def __init__(self, by_kind: dict[str, ContextStrategy], windows: dict[str, int | None],
-                 name: str):
+                 name: str, linear_chunk: int | None = None):
         self.by_kind = by_kind
         self.name = name
         shared = next(iter(by_kind.values()))
@@ -32,6 +33,9 @@ class LayerStrategies:
         self.split_tokens, self.gather_weight = shared.split_tokens, shared.gather_weight
         self.attends = {kind: _with_window(strategy.attend, windows[kind])
                         for kind, strategy in by_kind.items()}
+        if "linear" in by_kind:  # Gated DeltaNet layers take a mix (parallel/linear_mix.py)
+            self.attends["linear"] = functools.partial(linear_mix, by_kind["linear"],
+                                                       linear_chunk)
 
 
 def _with_window(attend, window: int | None):
@@ -43,7 +47,8 @@ def layer_strategies(recipe: Recipe, by_kind: dict[str, ContextStrategy]) -> Lay
     """The kinds' strategies, once checked to share the stored layout."""
     windows = {kind: recipe.model.layer_group(kind).window for kind in by_kind}
     _check_shared_layout(recipe, by_kind)
-    return LayerStrategies(by_kind, windows, strategy_name(recipe.parallel.strategy))
+    return LayerStrategies(by_kind, windows, strategy_name(recipe.parallel.strategy),
+                           recipe.model.linear_chunk)
 
 
 def strategy_name(strategy: str | dict[str, str], ulysses: int | None = None) -> str:

@@ -39,6 +39,7 @@ document has A = 0 and nothing crosses a document boundary, on a device or betwe
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +47,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from lctrain.kernels.gdn import PRECISION, gated_delta_rule, reset_at_document_starts
-from lctrain.parallel.cost_model import F32, Dims, NotOnThisMesh, Traffic
+from lctrain.parallel.cost_model import F32, AttentionFootprint, Dims, NotOnThisMesh, Traffic
 from lctrain.parallel.sharding import LOGICAL_TO_MESH
-from lctrain.parallel.strategy import HEADS_SPEC, TOKENS_SPEC, ContextStrategy
-from lctrain.recipes.schema import Recipe
+from lctrain.parallel.strategy import (HEADS_SPEC, TOKENS_SPEC, ContextStrategy,
+                                      stored_chunk_tokens)
+from lctrain.recipes.schema import Recipe, RecipeError
 
 # The sequence's shards in sequence order (context major, ulysses minor).
 SEQUENCE_AXES = LOGICAL_TO_MESH["sequence"]
@@ -68,6 +70,39 @@ class StatePassing(ContextStrategy):
     def planned_ulysses_degree(cls, recipe: Recipe, axis_sizes: dict[str, int]) -> int:
         """Not a whole model's strategy: attention layers need another."""
         raise NotOnThisMesh("state_passing serves gated DeltaNet layers only")
+
+    @classmethod
+    def check(cls, recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu") -> None:
+        """RecipeError unless each stored run holds the kernel - 1 tokens the conv of the
+        run after it reads (parallel/linear_mix.py); no attention kernel runs."""
+        kernel, run = recipe.model.linear_conv_kernel, stored_chunk_tokens(
+            recipe, axis_sizes["context"])
+        if kernel - 1 > run:
+            raise RecipeError(
+                f"recipe key 'model.linear_conv_kernel' = {kernel}: state_passing needs "
+                f"kernel - 1 <= the {run} tokens of each stored chunk; use more tokens per "
+                f"chip (data.seq_len / mesh.context) or a smaller kernel")
+
+    @classmethod
+    def attention_footprint(cls, dm: Dims) -> AttentionFootprint:
+        """A linear layer's backward (dm.h value heads, dm.kv key heads, dm.d = d_k = d_v
+        per tensor shard): its q, k, v and their f32 gradients, and the kernel's segment
+        start states of the widened [d_k, d_k + d_v] state, about sqrt(chunks) of them."""
+        tokens = dm.b * dm.s_l
+        qkv = (2 * dm.kv + dm.h) * dm.d
+        states = math.isqrt(max(1, dm.s_l // cls.chunk)) + 1
+        working_set = (tokens * qkv * (dm.p + F32)
+                       + states * dm.b * dm.h * dm.d * 2 * dm.d * F32)
+        return AttentionFootprint(working_set, dm.s_l, dm.s_l, dm.h, dm.kv)
+
+    @classmethod
+    def kernel_residuals(cls, dm: Dims) -> float:
+        """What the kernel keeps: its inputs (q, k, v as given, g and beta f32)."""
+        return dm.b * dm.s_l * ((2 * dm.kv + dm.h) * dm.d * dm.p + 2 * dm.h * F32)
+
+    def attend(self, q, k, v, positions, segment_ids, *, window=None):
+        raise ValueError("state_passing serves linear (Gated DeltaNet) layers only, through "
+                         "parallel/linear_mix.linear_mix; attention layers need another")
 
     @classmethod
     def traffic(cls, dm: Dims) -> Traffic:
@@ -99,7 +134,7 @@ def local_delta_rule(q, k, v, g, beta, positions, runs, chunk):
     g = reset_at_document_starts(g, positions)
     if jax.lax.axis_size(SEQUENCE_AXES) == 1:
         return gated_delta_rule(q, k, v, g, beta, chunk=chunk)[0]
-    q, k, v, g, beta = (_runs_as_rows(x, runs) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (runs_as_rows(x, runs) for x in (q, k, v, g, beta))
     d_k, d_v = k.shape[-1], v.shape[-1]
     rows, _, heads, _ = v.shape
     widened_values = jnp.concatenate(
@@ -111,7 +146,7 @@ def local_delta_rule(q, k, v, g, beta, positions, runs, chunk):
     starts = _run_starts(maps, runs)
     out = out[..., d_k:] + jnp.einsum("bshk,bhkv->bshv", out[..., :d_k], starts,
                                       precision=PRECISION)
-    return _rows_as_runs(out, runs).astype(v.dtype)
+    return rows_as_runs(out, runs).astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -180,15 +215,15 @@ def _gathered_index_in_sequence_order(size, runs):
     return m if runs == 1 else np.where(m < size, 2 * m, 2 * (2 * size - 1 - m) + 1)
 
 
-def _runs_as_rows(x, runs):
+def runs_as_rows(x, runs):
     """[b, runs * n, ...] -> [runs * b, n, ...], run major."""
     b, tokens = x.shape[:2]
     x = x.reshape(b, runs, tokens // runs, *x.shape[2:])
     return jnp.moveaxis(x, 1, 0).reshape(runs * b, tokens // runs, *x.shape[3:])
 
 
-def _rows_as_runs(x, runs):
-    """The inverse of _runs_as_rows."""
+def rows_as_runs(x, runs):
+    """The inverse of runs_as_rows."""
     rows, tokens = x.shape[:2]
     x = jnp.moveaxis(x.reshape(runs, rows // runs, tokens, *x.shape[2:]), 0, 1)
     return x.reshape(rows // runs, runs * tokens, *x.shape[3:])

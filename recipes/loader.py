@@ -18,10 +18,11 @@ import yaml
 from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
 
 from .coerce import build, coerce
+from .linear_checks import validate_linear_layers
 from .mesh_checks import validate_mesh
-from .schema import (LAYER_KINDS, MODEL_PRESETS, REMAT_TENSORS, ROPE_KEYS,
-                     SLIDING_ONLY_STRATEGIES, DataConfig, ModelConfig, Recipe, RecipeError,
-                     require)
+from .schema import (LAYER_KINDS, LINEAR_ONLY_STRATEGIES, MODEL_PRESETS, REMAT_TENSORS,
+                     ROPE_KEYS, SLIDING_ONLY_STRATEGIES, DataConfig, ModelConfig, Recipe,
+                     RecipeError, require)
 
 DEFAULT_RECIPE = "tiny"
 
@@ -178,6 +179,7 @@ def validate(recipe: Recipe, reads_data: bool = True) -> None:
     require(d.batch_size % t.grad_accum_steps == 0, "data.batch_size", d.batch_size,
              f"must be divisible by train.grad_accum_steps ({t.grad_accum_steps})")
     _validate_layer_strategies(recipe)
+    validate_linear_layers(recipe)
     validate_mesh(recipe)
     _validate_remat(recipe)
     require(recipe.attention.block_q > 0, "attention.block_q", recipe.attention.block_q,
@@ -280,7 +282,8 @@ def _validate_layer_strategies(recipe: Recipe) -> None:
         # usp splits mesh.context into ring x all-to-all axes; the others (halo aside, which
         # exchanges over both) would see only the ring's part of the sequence split.
         for kind, name in strategy.items():
-            require(name in ("usp", *SLIDING_ONLY_STRATEGIES), f"parallel.strategy.{kind}",
+            require(name in ("usp", *SLIDING_ONLY_STRATEGIES, *LINEAR_ONLY_STRATEGIES),
+                    f"parallel.strategy.{kind}",
                     name, f"parallel.ulysses {recipe.parallel.ulysses} is usp's split of "
                     f"mesh.context, which {name} does not run on; use usp for every kind "
                     f"(halo may stay on sliding layers), or parallel.ulysses=1")

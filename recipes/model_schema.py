@@ -36,8 +36,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 # a pretrained model's context is extended.
 ROPE_KEYS = ("rope_theta", "rope_scaling")
 
-# The kinds of attention layer model.layer_pattern mixes; a model without one is all global.
-LAYER_KINDS = ("global", "sliding")
+# The kinds of layer model.layer_pattern mixes; a model without one is all global.
+LAYER_KINDS = ("global", "sliding", "linear")
 
 
 @dataclass
@@ -68,7 +68,9 @@ class LayerGroupConfig:
     kind: Literal[LAYER_KINDS] = option(
         "global", "global: causal attention over the whole sequence (as without a pattern); "
                   "sliding: each query sees only the `window` latest tokens of its document, "
-                  "itself included (transformers' sliding_window).")
+                  "itself included (transformers' sliding_window); linear: Qwen3-Next's Gated "
+                  "DeltaNet (a causal conv and the gated delta rule's state in place of "
+                  "attention, keys model.linear_*).")
     count: int = option(1, "Consecutive layers of this kind.")
     window: int | None = option(
         None, "sliding only, and required there: key j is seen by query i iff position(i) - "
@@ -131,6 +133,19 @@ class ModelConfig:
     query_pre_attn_scalar: int | None = option(
         None, "Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma's name for "
               "it); null: head_dim, the usual 1 / sqrt(head_dim).")
+    linear_key_heads: int = option(
+        16, "linear layers: heads of q and k (Qwen3-Next's linear_num_key_heads).")
+    linear_value_heads: int = option(
+        32, "linear layers: heads of v, the output gate, g and beta, a multiple of "
+            "linear_key_heads (linear_num_value_heads).")
+    linear_key_head_dim: int = option(128, "linear layers: width of a q or k head.")
+    linear_value_head_dim: int = option(128, "linear layers: width of a v head.")
+    linear_conv_kernel: int = option(
+        4, "linear layers: taps of the causal depthwise conv over q, k, v (the token and "
+           "the kernel - 1 before it, within its document).")
+    linear_chunk: int = option(
+        64, "linear layers: tokens per chunk of the chunked delta rule (kernels/gdn.py); "
+            "only speed and memory depend on it.")
     layer_pattern: list[LayerGroupConfig] | None = option(
         None, "Mixed attention layers (Gemma 3: 5 sliding, 1 global): a list of {kind, count, "
               "window, rope_theta} groups, keys below, repeated from the first layer over "

@@ -22,9 +22,13 @@ REMAT_TENSORS = (
 
 # The context-parallel strategies, as parallel/__init__.py registers them (it asserts
 # that they agree: that registry needs jax, which this module must not import), and auto.
-STRATEGIES = ("none", "all_gather", "ulysses", "ring", "usp", "halo", "auto")
+STRATEGIES = ("none", "all_gather", "ulysses", "ring", "usp", "halo", "state_passing", "auto")
 # Strategies that only run sliding-window layers (their attend refuses window=None).
 SLIDING_ONLY_STRATEGIES = ("halo",)
+# Strategies that only run linear (Gated DeltaNet) layers, and the ones those layers take
+# (none: one device of the sequence, mesh.context 1).
+LINEAR_ONLY_STRATEGIES = ("state_passing",)
+LINEAR_STRATEGIES = ("none", *LINEAR_ONLY_STRATEGIES, "auto")
 
 
 @dataclass
@@ -135,7 +139,8 @@ class ParallelConfig:
         "none", "Context-parallel strategy; 'none' needs mesh.context == 1, the others but "
                 "auto mesh.context >= 2. With model.layer_pattern, a strategy for every "
                 "layer kind, e.g. {global: ring, sliding: halo} (halo runs sliding layers "
-                "only; auto, whole or for some kinds, plans each kind); one name serves all.")
+                "only; linear layers run on state_passing, or none, and nothing else on "
+                "them; auto, whole or for some kinds, plans each kind); one name serves all.")
     load_balance: bool = option(
         True, "Reorder the sequence once on input so causal work is even across context ranks.")
     ulysses: int = option(1, "usp only: Ulysses degree inside mesh.context (ring gets the rest).")

@@ -5,14 +5,17 @@ attention scale; each a model key whose default is Llama's).
 
 Every parameter carries `axes`, its logical axis names; `lctrain.parallel.sharding` maps
 them onto the mesh. Layers are stacked on a leading 'layers' axis and applied with
-`lax.scan`, so compile time does not grow with depth; with model.layer_pattern (global and
-sliding-window layers mixed) the scan steps over whole repeats of the pattern. Attention
-itself is a callable the caller passes in per layer kind (the context-parallel strategy,
-bound to the kind's window), so the model knows nothing of the mesh.
+`lax.scan`, so compile time does not grow with depth; with model.layer_pattern (global,
+sliding-window and linear layers mixed; linear ones, Gated DeltaNet with their own
+parameters, trainer/gdn_layer.py, in a stack of their own) the scan steps over whole
+repeats of the pattern. Attention itself is a callable the caller passes in per layer
+kind (the context-parallel strategy, bound to the kind's window; for linear layers their
+conv and delta rule), so the model knows nothing of the mesh.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable, Mapping, Protocol
 
@@ -25,6 +28,9 @@ from lctrain.kernels.residuals import CONTEXT
 from lctrain.recipes.schema import ModelConfig
 from lctrain.trainer.token_chunks import GatherWeight, TokenChunks
 
+from .gdn_layer import GatedDeltaNet, gdn_parameters
+from .params import param as _param, weight as _weight
+
 # rope_frequencies and rotary_tables stay importable from here.
 from .rope import apply_rope, kind_config, rope_frequencies, rotary_tables  # noqa: F401
 
@@ -32,16 +38,6 @@ from .rope import apply_rope, kind_config, rope_frequencies, rotary_tables  # no
 class Attend(Protocol):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array) -> jax.Array: ...
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
-           fan_in: int) -> nnx.Param:
-    init = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
-    return nnx.Param(init, axes=axes)
-
-
-def _weight(param: nnx.Param, dtype) -> jax.Array:
-    return param[...].astype(dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -143,9 +139,11 @@ def gated_mlp(x, gate, up, down, activation=jax.nn.silu):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """An attention layer, or with `linear` a Gated DeltaNet one (its `attend` a mix)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, linear: bool = False):
         self.attention_norm = RMSNorm(cfg.d_model, cfg)
-        self.attention = Attention(cfg, rngs)
+        self.attention = (GatedDeltaNet if linear else Attention)(cfg, rngs)
         self.attention_post_norm = _optional_norm(cfg.post_norms, cfg.d_model, cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
         self.mlp = MLP(cfg, rngs)
@@ -161,13 +159,17 @@ class DecoderLayer(nnx.Module):
                           self.mlp(self.mlp_norm(x), mlp_chunks, gather_weight))
 
 
-def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
-    """cfg.layers decoder layers as one module whose parameters have a leading 'layers' axis."""
-    keys = jax.random.split(rngs.params(), cfg.layers)
-    states = jax.vmap(lambda key: nnx.state(DecoderLayer(cfg, nnx.Rngs(key))))(keys)
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs, count: int,
+                    linear: bool = False) -> DecoderLayer | None:
+    """`count` decoder layers as one module whose parameters have a leading 'layers' axis
+    (None for none)."""
+    if not count:
+        return None
+    keys = jax.random.split(rngs.params(), count)
+    states = jax.vmap(lambda key: nnx.state(DecoderLayer(cfg, nnx.Rngs(key), linear)))(keys)
     states = jax.tree.map(lambda p: p.replace(axes=("layers", *p.axes)), states,
                           is_leaf=lambda x: isinstance(x, nnx.Variable))
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(cfg, nnx.Rngs(0))))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(cfg, nnx.Rngs(0), linear)))
     return nnx.merge(graphdef, states)
 
 
@@ -181,7 +183,12 @@ class Transformer(nnx.Module):
             embedding_std * jax.random.normal(rngs.params(), (cfg.vocab, cfg.d_model),
                                               jnp.float32),
             axes=("vocab", "embed"))
-        self.layers = _stacked_layers(cfg, rngs)
+        # Attention layers (global, sliding) in one stack, linear ones in another: their
+        # parameters differ. A model without linear layers has no linear_layers.
+        linear = cfg.layer_kinds().count("linear")
+        self.layers = _stacked_layers(cfg, rngs, cfg.layers - linear)
+        if linear:
+            self.linear_layers = _stacked_layers(cfg, rngs, linear, linear=True)
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         if not cfg.tie_embeddings:
             self.unembedding = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"),
@@ -215,13 +222,15 @@ class Transformer(nnx.Module):
         attends = _attends_by_kind(attend, set(kinds))
         rotary = {kind: tuple(map(split_tokens, rotary_tables(positions,
                                                               kind_config(self.cfg, kind))))
-                  for kind in attends}
-        graphdef, stacked = nnx.split(self.layers)
+                  for kind in attends if kind != "linear"}
+        stacks = {name: nnx.split(getattr(self, name)) for name in set(map(_stack, kinds))}
 
         def one_layer(kind: str) -> Callable:
+            graphdef = stacks[_stack(kind)][0]
+
             def apply(x, layer_state):
                 layer = nnx.merge(graphdef, layer_state)
-                return split_tokens(layer(x, positions, segment_ids, rotary[kind],
+                return split_tokens(layer(x, positions, segment_ids, rotary.get(kind),
                                           attends[kind], mlp_chunks, gather_weight))
 
             if remat_policy is None:
@@ -230,8 +239,14 @@ class Transformer(nnx.Module):
 
         layer_fns = {kind: one_layer(kind) for kind in attends}
         period = kinds[:len(self.cfg.pattern_kinds())]  # all of them when fewer layers
-        x = scan_layers(x, stacked, [layer_fns[kind] for kind in period])
+        x = scan_layers(x, {name: state for name, (_, state) in stacks.items()},
+                        [(_stack(kind), layer_fns[kind]) for kind in period])
         return self.final_norm(x)
+
+
+def _stack(kind: str) -> str:
+    """The Transformer attribute holding the stacked layers of `kind`."""
+    return "linear_layers" if kind == "linear" else "layers"
 
 
 def _attends_by_kind(attend: Attend | Mapping[str, Attend], kinds: set[str]) -> dict[str, Attend]:
@@ -246,30 +261,44 @@ def _attends_by_kind(attend: Attend | Mapping[str, Attend], kinds: set[str]) -> 
     return {kind: attend[kind] for kind in sorted(kinds)}
 
 
-def scan_layers(x: jax.Array, stacked: nnx.State, pattern: list[Callable]) -> jax.Array:
-    """Applies the stacked layers (leading 'layers' axis) in order, layer i with
-    pattern[i % len(pattern)] (x, layer i's state) -> x. Whole repeats of the pattern are
-    scanned, one per step (the body applies its layers in turn), so compile time grows with
-    the pattern, not with depth; the layers after the last whole repeat (a prefix of the
-    pattern) follow unscanned."""
-    layers = jax.tree.leaves(stacked)[0].shape[0]
-    period = len(pattern)
-    repeats = layers // period
+def scan_layers(x: jax.Array, stacks: dict[str, nnx.State],
+                pattern: list[tuple[str, Callable]]) -> jax.Array:
+    """Applies the stacked layers (each stack with a leading 'layers' axis) in order:
+    layer i is pattern[i % len(pattern)] = (stack, fn), fn(x, the stack's next layer's
+    state) -> x. Whole repeats of the pattern are scanned, one per step (the body applies
+    its layers in turn), so compile time grows with the pattern, not with depth; the
+    layers after the last whole repeat (a prefix of the pattern) follow unscanned."""
+    per_repeat = collections.Counter(name for name, _ in pattern)
+    layers = sum(jax.tree.leaves(stacks[name])[0].shape[0] for name in per_repeat)
+    repeats = layers // len(pattern)
 
     def one_repeat(x, states):
-        for i, apply in enumerate(pattern):
-            x = apply(x, states if period == 1 else _layer(states, i))
+        taken = collections.Counter()
+        for name, apply in pattern:
+            state = states[name]
+            x = apply(x, state if per_repeat[name] == 1 else _layer(state, taken[name]))
+            taken[name] += 1
         return x, None
 
     if repeats:
-        scanned = stacked if repeats * period == layers else jax.tree.map(
-            lambda p: p[:repeats * period], stacked)
-        if period > 1:
-            scanned = jax.tree.map(lambda p: p.reshape(repeats, period, *p.shape[1:]), scanned)
-        x, _ = jax.lax.scan(one_repeat, x, scanned)
-    for i in range(repeats * period, layers):
-        x = pattern[i - repeats * period](x, _layer(stacked, i))
+        x, _ = jax.lax.scan(one_repeat, x, {name: _repeats(stacks[name], repeats, count)
+                                            for name, count in per_repeat.items()})
+    taken = collections.Counter()
+    for name, apply in pattern[:layers - repeats * len(pattern)]:
+        x = apply(x, _layer(stacks[name], repeats * per_repeat[name] + taken[name]))
+        taken[name] += 1
     return x
+
+
+def _repeats(stacked: nnx.State, repeats: int, per_repeat: int) -> nnx.State:
+    """The stack's first repeats * per_repeat layers, as [repeats, per_repeat, ...]
+    ([repeats, ...] for one layer a repeat)."""
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    scanned = stacked if repeats * per_repeat == layers else jax.tree.map(
+        lambda p: p[:repeats * per_repeat], stacked)
+    if per_repeat == 1:
+        return scanned
+    return jax.tree.map(lambda p: p.reshape(repeats, per_repeat, *p.shape[1:]), scanned)
 
 
 def _layer(states: nnx.State, i: int) -> nnx.State:
@@ -280,7 +309,9 @@ def count_parameters(cfg: ModelConfig) -> int:
     e, f, v, layers = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.layers
     attention = e * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     biases = cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads) if cfg.qkv_bias else 0
-    norms = (4 if cfg.post_norms else 2) * e + (2 * cfg.head_dim if cfg.qk_norm else 0)
-    per_layer = attention + biases + 3 * e * f + norms
+    qk_norms = 2 * cfg.head_dim if cfg.qk_norm else 0
+    shared = 3 * e * f + (4 if cfg.post_norms else 2) * e   # MLP and the layer's norms
+    linear = cfg.layer_kinds().count("linear")
     embeddings = v * e * (1 if cfg.tie_embeddings else 2)
-    return layers * per_layer + embeddings + e
+    return ((layers - linear) * (attention + biases + qk_norms) + linear * gdn_parameters(cfg)
+            + layers * shared + embeddings + e)

@@ -1,5 +1,7 @@
-"""The planner for a model of several layer kinds (model.layer_pattern: global and
-sliding-window layers), each kind on its own strategy (parallel.strategy as a map).
+"""The planner for a model of several layer kinds (model.layer_pattern: global,
+sliding-window and linear layers), each kind on its own strategy (parallel.strategy as a
+map). Linear (Gated DeltaNet) layers plan on state_passing with their own heads
+(`linear_dims`): its all-gathers of the runs' state maps, whatever the sequence length.
 
 Each kind's attention terms come from its own strategy's cost model, over that kind's
 layers and window (Dims.layers, Dims.window): its traffic (halo's: window-1 tokens per
@@ -54,10 +56,14 @@ def halo_fits(recipe: Recipe, context: int) -> bool:
 def choice_for(recipe: Recipe, axis_sizes: dict[str, int], strategy: str,
                ulysses: int) -> KindChoice:
     """Each kind's strategy when the global layers run `strategy`: the sliding layers on
-    halo where their window fits the chunk, else on `strategy` with their window."""
-    halo = axis_sizes["context"] > 1 and halo_fits(recipe, axis_sizes["context"])
-    return {kind: (("halo", 1) if kind == "sliding" and halo else (strategy, ulysses))
-            for kind in layer_counts(recipe)}
+    halo where their window fits the chunk, else on `strategy` with their window; linear
+    layers on state_passing wherever the sequence is split."""
+    split = axis_sizes["context"] > 1
+    halo = split and "sliding" in layer_counts(recipe) and halo_fits(recipe,
+                                                                     axis_sizes["context"])
+    special = {"sliding": ("halo", 1) if halo else None,
+               "linear": ("state_passing", 1) if split else None}
+    return {kind: special.get(kind) or (strategy, ulysses) for kind in layer_counts(recipe)}
 
 
 def kind_dims(recipe: Recipe, axis_sizes: dict[str, int], choice: KindChoice,
@@ -65,10 +71,22 @@ def kind_dims(recipe: Recipe, axis_sizes: dict[str, int], choice: KindChoice,
     """Each kind's Dims: its strategy's degrees, its layer count and window
     (`dims_for(recipe, axis_sizes, strategy, ulysses)` is planner.shapes.dims)."""
     counts = layer_counts(recipe)
-    return {kind: dataclasses.replace(dims_for(recipe, axis_sizes, name, ulysses),
+    dims = {kind: dataclasses.replace(dims_for(recipe, axis_sizes, name, ulysses),
                                       layers=counts[kind],
                                       window=recipe.model.layer_group(kind).window)
             for kind, (name, ulysses) in choice.items()}
+    if "linear" in dims:
+        dims["linear"] = linear_dims(recipe, dims["linear"])
+    return dims
+
+
+def linear_dims(recipe: Recipe, dm: Dims) -> Dims:
+    """A linear layer's heads in place of attention's: h value heads, kv key heads per
+    tensor shard, d their width (state_passing's cost model takes d_k = d_v)."""
+    m = recipe.model
+    return dataclasses.replace(dm, h=max(m.linear_value_heads // dm.t, 1),
+                               kv=max(m.linear_key_heads // dm.t, 1),
+                               d=m.linear_value_head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +137,8 @@ def attention_keys_per_query(recipe: Recipe) -> float:
     total = 0.0
     for kind, count in counts.items():
         window = recipe.model.layer_group(kind).window
+        if kind == "linear":   # no attention (its delta rule is not counted as such)
+            continue
         if window is None or window >= s:
             total += count
         else:
