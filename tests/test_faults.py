@@ -17,6 +17,7 @@ from lctrain.cli.main import app
 from lctrain.recipes import load_recipe
 from lctrain.trainer import loop
 from lctrain.trainer.optimizer import make_optimizer
+from subprocess_env import subprocess_env
 
 
 def logged_steps(run_dir):
@@ -31,7 +32,7 @@ def test_sigterm_saves_at_the_step_reached_and_resume_continues(tmp_path):
                "--set", "train.steps=60", "--set", "checkpoint.every=1000",
                "--set", "runtime.log_every=1", "--set", "data.seq_len=64"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env={**os.environ, "XLA_FLAGS": ""})
+                               text=True, env=subprocess_env())
     deadline = time.time() + 120
     while time.time() < deadline and len(logged_steps(tmp_path)) < 5:
         time.sleep(0.2)
@@ -44,7 +45,7 @@ def test_sigterm_saves_at_the_step_reached_and_resume_continues(tmp_path):
     assert saved == [reached] and f"checkpoint saved at step {reached}" in output
 
     resumed = subprocess.run(command, capture_output=True, text=True,
-                             env={**os.environ, "XLA_FLAGS": ""})
+                             env=subprocess_env())
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from checkpoint at step {reached}" in resumed.stdout
     assert logged_steps(tmp_path)[-(60 - reached):] == list(range(reached + 1, 61))

@@ -2,7 +2,6 @@
 killed run resumes exactly where it was."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from lctrain.trainer.data import make_source
 from lctrain.trainer.loop import device_batch, mesh_for, train
 from lctrain.parallel import make_strategy
 from lctrain.trainer.step import build_trainable, make_train_step
+from subprocess_env import subprocess_env
 
 
 def run_steps(recipe, devices, steps=3):
@@ -121,8 +121,9 @@ def saving_now(run_dir):
 def test_killed_three_times_resumes_with_identical_losses(tmp_path):
     """SIGKILL at three points (the first while a checkpoint is being written, the others
     mid-training), then run to the end: every step's loss equals the uninterrupted run's,
-    bit for bit. Each kill costs a process start and a compile; three cover both kinds."""
-    env = {**os.environ, "XLA_FLAGS": ""}
+    bit for bit. Each kill costs a process start (the compile comes from the cache of
+    tests/subprocess_env.py); three cover both kinds."""
+    env = subprocess_env()
     uninterrupted = tmp_path / "uninterrupted"
     subprocess.run(lctrain(uninterrupted), check=True, env=env, capture_output=True)
 
