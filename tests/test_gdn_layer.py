@@ -161,6 +161,16 @@ def test_bad_linear_keys_name_the_key(overrides, key, words):
     assert "\n" not in str(err.value)
 
 
+def test_export_refuses_linear_layers_in_one_line():
+    from lctrain.trainer.hf_config import check_exportable
+
+    recipe = load_recipe(None, [*CONTEXT, LINEAR_PATTERN, f"parallel.strategy={PER_KIND}"])
+    with pytest.raises(RecipeError, match="recipe key 'model.layer_pattern' = "
+                                          r"\['linear', 'global'\]: .*no linear") as err:
+        check_exportable(recipe.model)
+    assert "\n" not in str(err.value)
+
+
 def test_plan_puts_linear_layers_on_state_passing():
     """The built-in recipe (36 linear layers of 32 value heads of 128, context 4, one row
     per device, remat full): the linear kind's traffic is state_passing's all-gathers,

@@ -193,6 +193,11 @@ def check_exportable(cfg: ModelConfig) -> None:
     sliding-window layers, outside Gemma 3; on Gemma 3, RoPE scaling on other layers than
     the global ones. Checked before any weight is read; exported anyway, a server would run
     another model."""
+    if "linear" in cfg.layer_kinds():
+        raise RecipeError(
+            f"recipe key 'model.layer_pattern' = {[g.kind for g in cfg.layer_pattern]}: "
+            f"lctrain exports no linear (Gated DeltaNet) layers yet; export a model whose "
+            f"layers are global or sliding-window attention")
     for key, value in family_layers(cfg.family, cfg.d_model).items():
         require(getattr(cfg, key) == value, f"model.{key}", getattr(cfg, key),
                 f"a {cfg.family} config.json has {value!r} there; lctrain exports only what "
