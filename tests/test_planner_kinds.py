@@ -147,3 +147,23 @@ def test_plan_shows_each_kinds_choice_and_compiles_the_map():
     ring = next(p for p in result.plans if p.strategy == "ring")
     assert recipe_for_plan(mixed(), ring).parallel.strategy == {"global": "ring",
                                                                "sliding": "halo"}
+
+
+@pytest.mark.parametrize("pattern, keys", [
+    ("[{kind: sliding, count: 1, window: 64}, {kind: global}]",
+     (1 + (64 - 64 * 63 / 1024) / 256) / 2),
+    ("[{kind: linear, count: 3}, {kind: global}]", 1 / 4)])
+def test_mfu_counts_attention_per_layer_kind(pattern, keys):
+    """The run's MFU (trainer/metrics) and the planner count a sliding layer's window and
+    no attention in linear layers: by hand, at 512 tokens, a [sliding, global] model's
+    query sees (1 + (w - w(w-1)/2s) / (s/2)) / 2 of an all-global model's keys on average
+    over its layers; [linear x3, global] a quarter."""
+    from lctrain.trainer.metrics import count_parameters, training_flops_per_token
+
+    recipe = load_recipe(None, ["model.layers=4", "data.seq_len=512",
+                                f"model.layer_pattern={pattern}"])
+    m = recipe.model
+    attention = 6 * m.layers * 512 * m.n_heads * m.head_dim
+    assert layer_kinds.attention_keys_per_query(recipe) == pytest.approx(keys)
+    assert training_flops_per_token(m, 512) == pytest.approx(
+        6 * count_parameters(m) + attention * keys)

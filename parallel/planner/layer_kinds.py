@@ -27,6 +27,7 @@ from lctrain.parallel.cost_model import AttentionFootprint, Dims, RingTiming, Tr
 from lctrain.parallel.halo import check_halo_window
 from lctrain.parallel.strategy import stored_chunk_tokens
 from lctrain.recipes.schema import Recipe
+from lctrain.trainer.metrics import attention_keys_per_query as keys_per_query
 
 # (strategy name, ulysses degree) of each layer kind
 KindChoice = dict[str, tuple[str, int]]
@@ -131,19 +132,8 @@ def cost_model(recipe: Recipe, axis_sizes: dict[str, int], choice: KindChoice,
 
 
 def attention_keys_per_query(recipe: Recipe) -> float:
-    """Keys a query attends to, on average over the layers, in units of a causal global
-    layer's s/2: a sliding query at position p sees min(window, p + 1) keys."""
-    s, counts = recipe.data.seq_len, layer_counts(recipe)
-    total = 0.0
-    for kind, count in counts.items():
-        window = recipe.model.layer_group(kind).window
-        if kind == "linear":   # no attention (its delta rule is not counted as such)
-            continue
-        if window is None or window >= s:
-            total += count
-        else:
-            total += count * (window - window * (window - 1) / (2 * s)) / (s / 2)
-    return total / recipe.model.layers
+    """trainer/metrics.attention_keys_per_query for the recipe's model and length."""
+    return keys_per_query(recipe.model, recipe.data.seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
