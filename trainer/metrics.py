@@ -31,9 +31,9 @@ def attention_keys_per_query(cfg: ModelConfig, seq_len: int) -> float:
     layer's s/2: a sliding query at position p sees min(window, p + 1) keys."""
     total = 0.0
     for kind in cfg.layer_kinds():
-        window = cfg.layer_group(kind).window
         if kind == "linear":
             continue
+        window = cfg.layer_group(kind).window
         if window is None or window >= seq_len:
             total += 1
         else:
