@@ -43,13 +43,15 @@ class AllGather(ContextStrategy):
     def traffic(cls, dm: Dims) -> Traffic:
         """K, V (+ positions, segment ids) gathered per layer in the forward and in each
         recomputation of it (the first forward's id gathers do not depend on the layer:
-        XLA hoists them, once per step); dK, dV reduce-scattered once."""
+        XLA hoists them, once per step, unless the kinds are switched); dK, dV
+        reduce-scattered once."""
         b, s, d, p, L, passes = dm.b, dm.s, dm.d, dm.p, dm.layers, dm.attention_passes
         share = (dm.c - 1) / dm.c
         kv_full = b * s * dm.kv * d * p
+        id_gathers = passes * L if dm.kinds_switched else (passes - 1) * L + 1
         out: Traffic = {"strategy_kv": ("all-gather", (passes * L * 2 * kv_full
-                                                       + (passes - 1) * L * b * s * TOKEN_IDS
-                                                       + b * s * TOKEN_IDS) * share)}
+                                                       + id_gathers * b * s * TOKEN_IDS)
+                                        * share)}
         dkv = 2 * b * s * dm.kv * d * p
         if dkv <= DKV_REDUCE_SCATTER_LIMIT:
             out["strategy_dkv"] = ("reduce-scatter", L * dkv / dm.c * (dm.c - 1))

@@ -99,12 +99,14 @@ class Halo(ContextStrategy):
     def traffic(cls, dm: Dims) -> Traffic:
         """Per layer and forward pass (first and recomputed) (w-1) tokens of K and V per
         exchange; in the backward the halo's dK, dV go back (compute dtype). The ids
-        (positions, segment ids) are the same in every layer: XLA sends them once per step
-        (compiled whole steps, tests/test_planner_kinds.py)."""
+        (positions, segment ids) are the same in every layer: XLA sends them once per step,
+        or per layer and forward pass where the layers' kinds are switched (compiled whole
+        steps, tests/test_planner_kinds.py)."""
         kv = 2 * dm.kv * dm.d * dm.p
         tokens = dm.b * halo_tokens(dm)
+        id_sends = dm.layers * dm.attention_passes if dm.kinds_switched else 1
         return {"strategy_halo": ("collective-permute", tokens * (
-            dm.layers * (dm.attention_passes + 1) * kv + TOKEN_IDS))}
+            dm.layers * (dm.attention_passes + 1) * kv + id_sends * TOKEN_IDS))}
 
     def attend(self, q, k, v, positions, segment_ids, *, window=None):
         if window is None:

@@ -28,9 +28,26 @@ COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
 #   all-to-all          R * (n-1)/n   (everything but the block it keeps)
 #   collective-permute  R             (one whole buffer from its source)
 # Each instruction counts once per execution: times the trip counts of the while loops
-# around it (both branches of a conditional count as taken). Async pairs count once, at
+# around it (both branches of a conditional count as taken, except a layer kind's branch:
+# see layer_share_scope). Async pairs count once, at
 # X-done (its shape is the result; n comes from the X-start it waits for); async-start /
 # async-done wrappers are skipped and the collective inside the wrapped computation counts.
+
+# The model's scan over layers of several kinds picks each layer's kind with a switch;
+# the collectives of a kind's branch run in only `count` of the scan's `layers` steps.
+_LAYER_SHARE = re.compile(r"layers_of_kind_\w+?_(\d+)_of_(\d+)")
+
+
+def layer_share_scope(kind: str, count: int, layers: int) -> str:
+    """The jax.named_scope around a layer kind's branch, from which collective_ops reads
+    that its collectives run in count of layers scan steps."""
+    return f"layers_of_kind_{kind}_{count}_of_{layers}"
+
+
+def _runs_in_branch(runs: int, op_name: str) -> int:
+    share = _LAYER_SHARE.search(op_name)
+    return runs if share is None else runs * int(share.group(1)) // int(share.group(2))
+
 
 _ELEMENT_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -293,7 +310,7 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], int]:
         for instruction in computations[name]:
             op = _collective_op(instruction, by_name, num_devices)
             if op:
-                op.runs = times
+                op.runs = _runs_in_branch(times, op.op_name)
                 ops.append(op)
     return ops, unknown
 

@@ -120,7 +120,7 @@ def ulysses_traffic(dm: Dims) -> Traffic:
     recomputation under remat.policy=minimal keeps `context`, so it skips out's way back),
     dout, dq, dk, dv in the backward; positions and segment ids gathered over the group
     per forward pass (the first forward's once per step: XLA hoists them out of the
-    layers)."""
+    layers, unless the kinds are switched)."""
     b, s_l, d, p, L, u = dm.b, dm.s_l, dm.d, dm.p, dm.layers, dm.u
     passes = dm.attention_passes
     q_local = b * s_l * dm.h * d * p
@@ -128,8 +128,9 @@ def ulysses_traffic(dm: Dims) -> Traffic:
     recompute_out = 0 if dm.remat == "minimal" else 1
     per_layer = (2 * q_local + 2 * kv_local) * 2 \
         + (passes - 1) * (q_local * (1 + recompute_out) + 2 * kv_local)
+    id_gathers = passes * L if dm.kinds_switched else (passes - 1) * L + 1
     return {"strategy_all_to_all": ("all-to-all", L * per_layer * (u - 1) / u),
-            "strategy_ids": ("all-gather", ((passes - 1) * L + 1) * b * s_l * u * TOKEN_IDS
+            "strategy_ids": ("all-gather", id_gathers * b * s_l * u * TOKEN_IDS
                              * (u - 1) / u)}
 
 

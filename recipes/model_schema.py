@@ -163,6 +163,12 @@ class ModelConfig:
         pattern = self.pattern_kinds()
         return [pattern[i % len(pattern)] for i in range(self.layers)]
 
+    def switches_layer_kinds(self) -> bool:
+        """Whether the model's layer scan picks each layer's kind with a switch: several
+        attention kinds and no linear layers (trainer/model.scan_layers_by_kind)."""
+        kinds = set(self.layer_kinds())
+        return len(kinds) > 1 and "linear" not in kinds
+
     def layer_group(self, kind: str) -> LayerGroupConfig:
         """The settings (window, rope_theta) of `kind`'s layers: its first group's, which
         every other group of the kind repeats (checked at load)."""

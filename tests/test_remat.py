@@ -49,6 +49,10 @@ CASES = {
     "minimal": ["remat.policy=minimal"],
     "offload": ["remat.policy=custom", "remat.tensors={decoder_layer_input: offload}"],
     "opt_offload": ["remat.policy=full", "optimizer.offload=true"],
+    # Gemma 3's pattern: the scan steps over layers of two kinds (a switch per step).
+    "mixed_offload": ["remat.policy=custom", "remat.tensors={decoder_layer_input: offload}",
+                      "model.layer_pattern=[{kind: sliding, count: 5, window: 256}, "
+                      "{kind: global, count: 1}]"],
 }
 
 
@@ -90,6 +94,20 @@ def test_offloading_the_layer_input_moves_it_to_host_memory():
     assert full.temp_size_in_bytes - offload.temp_size_in_bytes >= 0.9 * LAYER_INPUTS
     # minimal keeps every matmul output besides: far more device memory than full.
     assert minimal.peak_memory_in_bytes > full.peak_memory_in_bytes + LAYER_INPUTS
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_mixed_layer_kinds_offload_every_layer_input_and_cost_no_more():
+    """Sliding and global layers: every layer's input still reaches host memory, and the
+    device peak stays that of the all-global model (a scan over 6-layer repeats of the
+    pattern offloaded 2 layer inputs in 12 and held far more)."""
+    offload, _ = compiled("offload")
+    mixed, hlo = compiled("mixed_offload")
+    assert close(mixed.host_temp_size_in_bytes, LAYER_INPUTS), mixed.host_temp_size_in_bytes
+    assert stacked_layer_input_spaces(hlo) == {"S(5)"}
+    assert mixed.peak_memory_in_bytes <= 1.05 * offload.peak_memory_in_bytes, (
+        mixed.peak_memory_in_bytes, offload.peak_memory_in_bytes)
 
 
 @pytest.mark.slow

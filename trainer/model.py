@@ -5,10 +5,10 @@ attention scale; each a model key whose default is Llama's).
 
 Every parameter carries `axes`, its logical axis names; `lctrain.parallel.sharding` maps
 them onto the mesh. Layers are stacked on a leading 'layers' axis and applied with
-`lax.scan`, so compile time does not grow with depth; with model.layer_pattern (global,
-sliding-window and linear layers mixed; linear ones, Gated DeltaNet with their own
-parameters, trainer/gdn_layer.py, in a stack of their own) the scan steps over whole
-repeats of the pattern. Attention itself is a callable the caller passes in per layer
+`lax.scan`, so compile time does not grow with depth; with model.layer_pattern, global
+and sliding-window layers share the stack and each scan step picks its layer's kind with
+a switch, while a pattern with linear layers (Gated DeltaNet, trainer/gdn_layer.py, whose
+parameters differ and sit in a stack of their own) is scanned over its whole repeats. Attention itself is a callable the caller passes in per layer
 kind (the context-parallel strategy, bound to the kind's window; for linear layers their
 conv and delta rule), so the model knows nothing of the mesh.
 """
@@ -25,6 +25,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lctrain.kernels.residuals import CONTEXT
+from lctrain.parallel.hlo import layer_share_scope
 from lctrain.recipes.schema import ModelConfig
 from lctrain.trainer.token_chunks import GatherWeight, TokenChunks
 
@@ -152,7 +153,6 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, segment_ids, rotary, attend: Attend,
                  mlp_chunks: TokenChunks | None = None,
                  gather_weight: GatherWeight = lambda w, axes: w):
-        x = checkpoint_name(x, "decoder_layer_input")
         attended = self.attention(self.attention_norm(x), positions, segment_ids, rotary, attend)
         x = x + _normed(self.attention_post_norm, attended)
         return x + _normed(self.mlp_post_norm,
@@ -233,14 +233,18 @@ class Transformer(nnx.Module):
                 return split_tokens(layer(x, positions, segment_ids, rotary.get(kind),
                                           attends[kind], mlp_chunks, gather_weight))
 
-            if remat_policy is None:
-                return apply
-            return jax.checkpoint(apply, policy=remat_policy, prevent_cse=False)
+            return apply
 
+        remat = (lambda fn: fn) if remat_policy is None else (
+            lambda fn: jax.checkpoint(fn, policy=remat_policy, prevent_cse=False))
         layer_fns = {kind: one_layer(kind) for kind in attends}
-        period = kinds[:len(self.cfg.pattern_kinds())]  # all of them when fewer layers
-        x = scan_layers(x, {name: state for name, (_, state) in stacks.items()},
-                        [(_stack(kind), layer_fns[kind]) for kind in period])
+        if "linear" not in attends:
+            x = scan_layers_by_kind(x, stacks["layers"][1], kinds, layer_fns, remat)
+        else:  # two parameter stacks: the scan steps over whole repeats of the pattern
+            period = kinds[:len(self.cfg.pattern_kinds())]  # all of them when fewer layers
+            x = scan_layers(x, {name: state for name, (_, state) in stacks.items()},
+                            [(_stack(kind), remat(_named_input(layer_fns[kind])))
+                             for kind in period])
         return self.final_norm(x)
 
 
@@ -288,6 +292,45 @@ def scan_layers(x: jax.Array, stacks: dict[str, nnx.State],
         x = apply(x, _layer(stacks[name], repeats * per_repeat[name] + taken[name]))
         taken[name] += 1
     return x
+
+
+def _layer_input(x: jax.Array) -> jax.Array:
+    return checkpoint_name(x, "decoder_layer_input")
+
+
+def _named_input(apply: Callable) -> Callable:
+    return lambda x, layer_state: apply(_layer_input(x), layer_state)
+
+
+def _scoped(fn: Callable, scope: str) -> Callable:
+    def scoped(*args):
+        with jax.named_scope(scope):
+            return fn(*args)
+    return scoped
+
+
+def scan_layers_by_kind(x: jax.Array, stacked: nnx.State, kinds: list[str],
+                        fns: Mapping[str, Callable],
+                        remat: Callable[[Callable], Callable]) -> jax.Array:
+    """Applies the stacked layers, layer i being fns[kinds[i]](x, its state) -> x, one
+    scan step per layer; with several kinds the step picks its layer's with lax.switch.
+
+    Each kind's layer is rematerialized inside its switch branch as well as outside: the
+    backward then recomputes a layer inside its own branch, and no residual of one kind
+    waits beside the other's (the switch alone, or around attention only, holds both:
+    README, "Mixed layer patterns"). The layer input is named outside the switch, where
+    a remat policy can offload it."""
+    names = list(fns)
+    if len(names) == 1:
+        layer = remat(_named_input(fns[names[0]]))
+        return jax.lax.scan(lambda x, state: (layer(x, state), None), x, stacked)[0]
+    branches = [_scoped(remat(fns[name]), layer_share_scope(name, kinds.count(name),
+                                                            len(kinds)))
+                for name in names]
+    layer = remat(lambda x, state, index: jax.lax.switch(index, branches, _layer_input(x),
+                                                         state))
+    index = jnp.asarray([names.index(kind) for kind in kinds], jnp.int32)
+    return jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, (stacked, index))[0]
 
 
 def _repeats(stacked: nnx.State, repeats: int, per_repeat: int) -> nnx.State:

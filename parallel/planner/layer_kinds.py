@@ -74,7 +74,8 @@ def kind_dims(recipe: Recipe, axis_sizes: dict[str, int], choice: KindChoice,
     counts = layer_counts(recipe)
     dims = {kind: dataclasses.replace(dims_for(recipe, axis_sizes, name, ulysses),
                                       layers=counts[kind],
-                                      window=recipe.model.layer_group(kind).window)
+                                      window=recipe.model.layer_group(kind).window,
+                                      kinds_switched=recipe.model.switches_layer_kinds())
             for kind, (name, ulysses) in choice.items()}
     if "linear" in dims:
         dims["linear"] = linear_dims(recipe, dims["linear"])
