@@ -44,9 +44,11 @@ def layer_share_scope(kind: str, count: int, layers: int) -> str:
     return f"layers_of_kind_{kind}_{count}_of_{layers}"
 
 
-def _runs_in_branch(runs: int, op_name: str) -> int:
+def _runs_in_branch(runs: int, op_name: str) -> float:
+    """Its share of the runs, unrounded: XLA may peel a scan step out of the loop (it runs
+    once, of a kind the text does not tell), so only the sum over the steps is exact."""
     share = _LAYER_SHARE.search(op_name)
-    return runs if share is None else runs * int(share.group(1)) // int(share.group(2))
+    return runs if share is None else runs * int(share.group(1)) / int(share.group(2))
 
 
 _ELEMENT_BYTES = {
@@ -291,7 +293,7 @@ def _received_bytes(kind: str, result_bytes: int, n: int) -> int:
 class CollectiveOp:
     kind: str
     received_bytes: int     # per execution, by the convention above
-    runs: int               # executions per step (trip counts of the loops around it)
+    runs: float             # executions per step (trip counts of the loops around it)
     op_name: str            # jax's name for where it comes from (metadata), "" if none
     groups: list[list[int]]  # replica_groups(), or for DCN megascale_transfer()'s groups
     dcn: bool = False       # crosses slices (a multi-slice program's host transfer)
