@@ -145,6 +145,17 @@ def test_collectives_selected_by_op_name():
                                      "all-gather": 0, "all-reduce": 0, "reduce-scatter": 0}
 
 
+def test_a_layer_kinds_branch_counts_its_share_of_the_layer_scan():
+    """The model's switch over layer kinds: a branch taken by 1 layer in 4 counts 1/4 of
+    the runs around it (unrounded: a peeled scan step runs once)."""
+    branch_all_reduce = "replica_groups={{0,1,2,3}}, to_apply=%add"
+    assert HLO.count(branch_all_reduce) == 1
+    scope = hlo.layer_share_scope("global", 1, 4)
+    text = HLO.replace(branch_all_reduce, branch_all_reduce + ', metadata={op_name="jit(step)'
+                       f'/while/body/cond/branch_1_fun/{scope}/psum"}}')
+    assert hlo.collective_bytes(text).bytes_by_kind["all-reduce"] == 260 + (16 * 3 / 2) / 4
+
+
 def test_unknown_trip_count_is_reported_and_counted_once():
     text = HLO.replace(', backend_config={"known_trip_count":{"n":"2"}}', "")
     counted = hlo.collective_bytes(text)
