@@ -169,3 +169,17 @@ def test_mfu_counts_attention_per_layer_kind(pattern, keys):
     assert layer_kinds.attention_keys_per_query(recipe) == pytest.approx(keys)
     assert training_flops_per_token(m, 512) == pytest.approx(
         6 * count_parameters(m) + attention * keys)
+
+
+def test_the_planner_counts_the_parameters_a_linear_pattern_model_holds():
+    """Attention tensors in the attention layers only, Gated DeltaNet's in the linear
+    ones: the planner's tensor list against the model's own (abstract) parameters."""
+    import math
+
+    from flax import nnx
+
+    from lctrain.trainer.model import Transformer
+    recipe = load_recipe("recipes/qwen3_next_like.yaml", [])
+    model = nnx.eval_shape(lambda: Transformer(recipe.model, nnx.Rngs(0)))
+    held = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert planner.count_parameters(recipe) == held

@@ -26,34 +26,62 @@ class Tensor:
     name: str
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]   # logical axis names (trainer/model.py)
-    per_layer: bool
+    layers: int                    # how many layers hold one (0: not a layer's)
+
+    @property
+    def per_layer(self) -> bool:
+        return self.layers > 0
 
 
 def parameter_tensors(recipe: Recipe) -> list[Tensor]:
     """The model's parameters as trainer/model.py creates them (layers stacked)."""
     m = recipe.model
     e, h, kv, d, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab
+    linear = m.layer_kinds().count("linear")
+    attention = m.layers - linear
     tensors = [
-        Tensor("embedding", (v, e), ("vocab", "embed"), False),
-        Tensor("attention_norm", (e,), ("embed",), True),
-        Tensor("wq", (e, h, d), ("embed", "heads", "head_dim"), True),
-        Tensor("wk", (e, kv, d), ("embed", "kv_heads", "head_dim"), True),
-        Tensor("wv", (e, kv, d), ("embed", "kv_heads", "head_dim"), True),
-        Tensor("wo", (h, d, e), ("heads", "head_dim", "embed"), True),
-        Tensor("mlp_norm", (e,), ("embed",), True),
-        Tensor("gate", (e, f), ("embed", "mlp"), True),
-        Tensor("up", (e, f), ("embed", "mlp"), True),
-        Tensor("down", (f, e), ("mlp", "embed"), True),
-        Tensor("final_norm", (e,), ("embed",), False),
+        Tensor("embedding", (v, e), ("vocab", "embed"), 0),
+        Tensor("attention_norm", (e,), ("embed",), m.layers),
+        Tensor("wq", (e, h, d), ("embed", "heads", "head_dim"), attention),
+        Tensor("wk", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
+        Tensor("wv", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
+        Tensor("wo", (h, d, e), ("heads", "head_dim", "embed"), attention),
+        Tensor("mlp_norm", (e,), ("embed",), m.layers),
+        Tensor("gate", (e, f), ("embed", "mlp"), m.layers),
+        Tensor("up", (e, f), ("embed", "mlp"), m.layers),
+        Tensor("down", (f, e), ("mlp", "embed"), m.layers),
+        Tensor("final_norm", (e,), ("embed",), 0),
     ]
     if m.qk_norm:
-        tensors += [Tensor(name, (d,), ("head_dim",), True) for name in ("q_norm", "k_norm")]
+        tensors += [Tensor(name, (d,), ("head_dim",), attention) for name in ("q_norm", "k_norm")]
     if m.post_norms:
-        tensors += [Tensor(name, (e,), ("embed",), True)
+        tensors += [Tensor(name, (e,), ("embed",), m.layers)
                     for name in ("attention_post_norm", "mlp_post_norm")]
+    if linear:
+        tensors += linear_tensors(recipe, linear)
     if not m.tie_embeddings:
-        tensors.append(Tensor("unembedding", (e, v), ("embed", "vocab"), False))
-    return tensors
+        tensors.append(Tensor("unembedding", (e, v), ("embed", "vocab"), 0))
+    return [t for t in tensors if not t.per_layer or t.layers]
+
+
+def linear_tensors(recipe: Recipe, layers: int) -> list[Tensor]:
+    """A Gated DeltaNet's parameters (trainer/gdn_layer.GatedDeltaNet), in `layers` layers."""
+    m = recipe.model
+    e, kernel = m.d_model, m.linear_conv_kernel
+    hk, hv, dk, dv = (m.linear_key_heads, m.linear_value_heads, m.linear_key_head_dim,
+                      m.linear_value_head_dim)
+    keys, values = ("kv_heads", "head_dim"), ("heads", "head_dim")
+    return [Tensor(name, shape, axes, layers) for name, shape, axes in [
+        ("linear_wq", (e, hk, dk), ("embed", *keys)), ("linear_wk", (e, hk, dk), ("embed", *keys)),
+        ("linear_wv", (e, hv, dv), ("embed", *values)),
+        ("linear_wz", (e, hv, dv), ("embed", *values)),
+        ("linear_wb", (e, hv), ("embed", "heads")), ("linear_wa", (e, hv), ("embed", "heads")),
+        ("linear_conv_q", (kernel, hk, dk), (None, *keys)),
+        ("linear_conv_k", (kernel, hk, dk), (None, *keys)),
+        ("linear_conv_v", (kernel, hv, dv), (None, *values)),
+        ("linear_dt_bias", (hv,), ("heads",)), ("linear_a_log", (hv,), ("heads",)),
+        ("linear_norm_scale", (dv,), ("head_dim",)),
+        ("linear_wo", (hv, dv, e), (*values, "embed"))]]
 
 
 def _logical_sizes(axis_sizes: dict[str, int]) -> dict[str, int]:
@@ -77,9 +105,7 @@ def local_elements(tensor: Tensor, axis_sizes: dict[str, int],
 
 
 def count_parameters(recipe: Recipe) -> int:
-    layers = recipe.model.layers
-    return sum(math.prod(t.shape) * (layers if t.per_layer else 1)
-               for t in parameter_tensors(recipe))
+    return sum(math.prod(t.shape) * max(t.layers, 1) for t in parameter_tensors(recipe))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +129,17 @@ def weights(recipe: Recipe, axis_sizes: dict[str, int], c: int) -> Weights:
     # kept float32 there, their gradient summed over the chunks and reduced in float32.
     mlp_chunked = chunks_for(recipe.remat.mlp_chunk_tokens, recipe.data.seq_len, c) is not None
     head = by_name.get("unembedding") or by_name["embedding"]
+
+    def per_layer(tensors: list[Tensor], shard: tuple[str, ...] | None = None) -> int:
+        """One layer's elements, averaged over the layers (attention and linear layers
+        hold different tensors)."""
+        return sum(local_elements(t, axis_sizes, shard) * t.layers
+                   for t in tensors if t.per_layer) // recipe.model.layers
+
     return Weights(
-        local=sum(local_elements(t, axis_sizes) * (recipe.model.layers if t.per_layer else 1)
-                  for t in tensors),
-        layer_local=sum(local_elements(t, axis_sizes) for t in tensors if t.per_layer),
-        layer_gathered=sum(local_elements(t, axis_sizes, shard=("heads", "kv_heads", "mlp"))
-                           for t in layer_matrices),
+        local=sum(local_elements(t, axis_sizes) * max(t.layers, 1) for t in tensors),
+        layer_local=per_layer(tensors),
+        layer_gathered=per_layer(layer_matrices, shard=("heads", "kv_heads", "mlp")),
         layer_norms=len([t for t in tensors if t.per_layer and t.axes == ("embed",)]),
         mlp_gathered=sum(local_elements(by_name[name], axis_sizes, shard=("mlp",))
                          for name in ("gate", "up", "down")) if mlp_chunked else 0,
