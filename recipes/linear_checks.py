@@ -1,11 +1,10 @@
-"""Recipe checks of linear (Gated DeltaNet) layers: their model.linear_* keys, and the
-strategies of the layer kinds (state_passing runs linear layers only, and they run on it,
-or on none where the sequence is not split)."""
+"""Recipe checks of linear (Gated DeltaNet) layers: their model.linear_* keys, and their
+strategy (state_passing, or none where the sequence is not split; that state_passing runs
+nothing else is recipes/loader's check of every kind-only strategy)."""
 
 from __future__ import annotations
 
-from .schema import (LINEAR_ONLY_STRATEGIES, LINEAR_STRATEGIES, ModelConfig, Recipe,
-                     require)
+from .schema import LINEAR_STRATEGIES, ModelConfig, Recipe, require
 
 LINEAR_SIZES = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim",
                 "linear_value_head_dim", "linear_conv_kernel", "linear_chunk")
@@ -14,20 +13,16 @@ LINEAR_SIZES = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim",
 def validate_linear_layers(recipe: Recipe) -> None:
     m = recipe.model
     kinds = set(m.layer_kinds())
-    if "linear" in kinds:
-        _validate_linear_keys(m)
-    strategy = recipe.parallel.strategy
-    for kind, name in recipe.parallel.by_kind(kinds).items():
-        key = "parallel.strategy" + (f".{kind}" if isinstance(strategy, dict) else "")
-        if kind == "linear":
-            require(name in LINEAR_STRATEGIES, key, name,
-                    f"linear (Gated DeltaNet) layers run on state_passing (none where "
-                    f"mesh.context is 1), not on an attention strategy; give them "
-                    f"parallel.strategy={{linear: state_passing, ...}}")
-        else:
-            require(name not in LINEAR_ONLY_STRATEGIES, key, name,
-                    f"{name} runs linear layers only, and the model has {kind} layers; give "
-                    f"them another, e.g. parallel.strategy={{{kind}: ring, linear: {name}}}")
+    if "linear" not in kinds:
+        return
+    _validate_linear_keys(m)
+    name = recipe.parallel.by_kind(kinds)["linear"]
+    require(name in LINEAR_STRATEGIES,
+            "parallel.strategy" + (".linear" if isinstance(recipe.parallel.strategy, dict)
+                                   else ""), name,
+            f"linear (Gated DeltaNet) layers run on state_passing (none where mesh.context "
+            f"is 1), not on an attention strategy; give them "
+            f"parallel.strategy={{linear: state_passing, ...}}")
 
 
 def _validate_linear_keys(m: ModelConfig) -> None:

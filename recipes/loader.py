@@ -20,8 +20,8 @@ from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError, token_f
 from .coerce import build, coerce
 from .linear_checks import validate_linear_layers
 from .mesh_checks import validate_mesh
-from .schema import (LAYER_KINDS, LINEAR_ONLY_STRATEGIES, MODEL_PRESETS, REMAT_TENSORS,
-                     ROPE_KEYS, SLIDING_ONLY_STRATEGIES, DataConfig, ModelConfig, Recipe,
+from .schema import (KIND_ONLY_STRATEGIES, LAYER_KINDS, MODEL_PRESETS, REMAT_TENSORS,
+                     ROPE_KEYS, DataConfig, ModelConfig, Recipe,
                      RecipeError, require)
 
 DEFAULT_RECIPE = "tiny"
@@ -282,16 +282,17 @@ def _validate_layer_strategies(recipe: Recipe) -> None:
         # usp splits mesh.context into ring x all-to-all axes; the others (halo aside, which
         # exchanges over both) would see only the ring's part of the sequence split.
         for kind, name in strategy.items():
-            require(name in ("usp", *SLIDING_ONLY_STRATEGIES, *LINEAR_ONLY_STRATEGIES),
+            require(name in ("usp", *KIND_ONLY_STRATEGIES),
                     f"parallel.strategy.{kind}",
                     name, f"parallel.ulysses {recipe.parallel.ulysses} is usp's split of "
                     f"mesh.context, which {name} does not run on; use usp for every kind "
                     f"(halo may stay on sliding layers), or parallel.ulysses=1")
     for kind, name in recipe.parallel.by_kind(kinds).items():
-        require(kind != "global" or name not in SLIDING_ONLY_STRATEGIES,
+        only = KIND_ONLY_STRATEGIES.get(name, kind)
+        require(only == kind,
                 "parallel.strategy" + (f".{kind}" if isinstance(strategy, dict) else ""), name,
-                f"{name} runs sliding-window layers only, and the model has global layers; "
-                f"give them another, e.g. parallel.strategy={{global: ring, sliding: {name}}}")
+                f"{name} runs {only} layers only, and the model has {kind} layers; give "
+                f"them another, e.g. parallel.strategy={{{kind}: ring, {only}: {name}}}")
 
 
 def _validate_source(recipe: Recipe, key: str = "data") -> None:

@@ -23,12 +23,11 @@ REMAT_TENSORS = (
 # The context-parallel strategies, as parallel/__init__.py registers them (it asserts
 # that they agree: that registry needs jax, which this module must not import), and auto.
 STRATEGIES = ("none", "all_gather", "ulysses", "ring", "usp", "halo", "state_passing", "auto")
-# Strategies that only run sliding-window layers (their attend refuses window=None).
-SLIDING_ONLY_STRATEGIES = ("halo",)
-# Strategies that only run linear (Gated DeltaNet) layers, and the ones those layers take
-# (none: one device of the sequence, mesh.context 1).
-LINEAR_ONLY_STRATEGIES = ("state_passing",)
-LINEAR_STRATEGIES = ("none", *LINEAR_ONLY_STRATEGIES, "auto")
+# Strategies that run one layer kind only (halo's attend refuses window=None; state_passing
+# runs the delta rule, not attention): never a whole model's strategy.
+KIND_ONLY_STRATEGIES = {"halo": "sliding", "state_passing": "linear"}
+# The strategies linear (Gated DeltaNet) layers take (none: mesh.context 1).
+LINEAR_STRATEGIES = ("none", "state_passing", "auto")
 
 
 @dataclass

@@ -153,9 +153,9 @@ CONTEXT = ["mesh.context=4", "mesh.data=2"]
     ([*SHORT_MODEL, *CONTEXT, "parallel.strategy={global: ring}"], "parallel.strategy",
      "names no strategy for the sliding layers"),
     ([*SHORT_MODEL, *CONTEXT, "parallel.strategy={global: halo, sliding: halo}"],
-     "parallel.strategy.global", "halo runs sliding-window layers only"),
+     "parallel.strategy.global", "halo runs sliding layers only"),
     ([*CONTEXT, "parallel.strategy=halo"], "parallel.strategy",
-     "halo runs sliding-window layers only"),
+     "halo runs sliding layers only"),
     ([*SHORT_MODEL, *CONTEXT, "parallel.strategy={global: ring, sliding: usp}",
       "parallel.ulysses=2"], "parallel.strategy.global", "which ring does not run on"),
 ])

@@ -9,8 +9,7 @@ from lctrain.parallel.planner.accuracy import estimate_note
 from lctrain.parallel.planner.estimate import estimate, recipe_for_strategy
 from lctrain.parallel.planner.results import Plan, StrategyPlan
 from lctrain.parallel.strategy import check_kernel_layout
-from lctrain.recipes.schema import (LINEAR_ONLY_STRATEGIES, SLIDING_ONLY_STRATEGIES, Recipe,
-                                    RecipeError)
+from lctrain.recipes.schema import KIND_ONLY_STRATEGIES, Recipe, RecipeError
 
 # A strategy whose estimated step time is within this factor of the fastest counts as a tie
 # (smaller than the estimate's own error: it only settles near-equal cases).
@@ -64,7 +63,7 @@ def candidates(recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu"
     are left out."""
     options, skipped = [], {}
     for strategy in sorted(STRATEGIES.values(), key=lambda cls: cls.simplicity):
-        if strategy.name in (*SLIDING_ONLY_STRATEGIES, *LINEAR_ONLY_STRATEGIES):
+        if strategy.name in KIND_ONLY_STRATEGIES:
             continue  # never a whole model's strategy
         try:
             options.append((strategy.name, strategy.planned_ulysses_degree(recipe, axis_sizes)))
