@@ -183,3 +183,12 @@ def test_the_planner_counts_the_parameters_a_linear_pattern_model_holds():
     model = nnx.eval_shape(lambda: Transformer(recipe.model, nnx.Rngs(0)))
     held = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert planner.count_parameters(recipe) == held
+
+
+def test_the_plan_says_its_estimate_is_rough_for_switched_layer_kinds():
+    from lctrain.parallel.planner.accuracy import estimate_note
+    short = ["data.seq_len=8192"]   # 2K tokens per chip: no other reason to warn
+    all_global = load_recipe(None, [*ALL_GLOBAL, *short, "parallel.strategy=ring"])
+    assert estimate_note(all_global, CONTEXT4) is None
+    note = estimate_note(mixed(*short), CONTEXT4)
+    assert "17.5% under with ulysses" in note and "--compile" in note
