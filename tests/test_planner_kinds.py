@@ -171,15 +171,19 @@ def test_mfu_counts_attention_per_layer_kind(pattern, keys):
         6 * count_parameters(m) + attention * keys)
 
 
-def test_the_planner_counts_the_parameters_a_linear_pattern_model_holds():
-    """Attention tensors in the attention layers only, Gated DeltaNet's in the linear
-    ones: the planner's tensor list against the model's own (abstract) parameters."""
+@pytest.mark.parametrize("overrides", [
+    [], ["model.layer_pattern=[{kind: linear, count: 1}]",
+         "parallel.strategy={linear: state_passing}"]], ids=["3_linear_1_global", "all_linear"])
+def test_the_planner_counts_the_parameters_a_linear_pattern_model_holds(overrides):
+    """Attention tensors in the attention layers only (none in a model of linear layers
+    alone), Gated DeltaNet's in the linear ones: the planner's tensor list against the
+    model's own (abstract) parameters."""
     import math
 
     from flax import nnx
 
     from lctrain.trainer.model import Transformer
-    recipe = load_recipe("recipes/qwen3_next_like.yaml", [])
+    recipe = load_recipe("recipes/qwen3_next_like.yaml", overrides)
     model = nnx.eval_shape(lambda: Transformer(recipe.model, nnx.Rngs(0)))
     held = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert planner.count_parameters(recipe) == held

@@ -8,9 +8,10 @@ them onto the mesh. Layers are stacked on a leading 'layers' axis and applied wi
 `lax.scan`, so compile time does not grow with depth; with model.layer_pattern, global
 and sliding-window layers share the stack and each scan step picks its layer's kind with
 a switch, while a pattern with linear layers (Gated DeltaNet, trainer/gdn_layer.py, whose
-parameters differ and sit in a stack of their own) is scanned over its whole repeats. Attention itself is a callable the caller passes in per layer
-kind (the context-parallel strategy, bound to the kind's window; for linear layers their
-conv and delta rule), so the model knows nothing of the mesh.
+parameters differ and sit in a stack of their own) is scanned over its whole repeats.
+Attention itself is a callable the caller passes in per layer kind (the context-parallel
+strategy, bound to the kind's window; for linear layers their conv and delta rule), so
+the model knows nothing of the mesh.
 """
 
 from __future__ import annotations

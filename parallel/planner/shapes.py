@@ -42,17 +42,19 @@ def parameter_tensors(recipe: Recipe) -> list[Tensor]:
     tensors = [
         Tensor("embedding", (v, e), ("vocab", "embed"), 0),
         Tensor("attention_norm", (e,), ("embed",), m.layers),
-        Tensor("wq", (e, h, d), ("embed", "heads", "head_dim"), attention),
-        Tensor("wk", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
-        Tensor("wv", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
-        Tensor("wo", (h, d, e), ("heads", "head_dim", "embed"), attention),
         Tensor("mlp_norm", (e,), ("embed",), m.layers),
         Tensor("gate", (e, f), ("embed", "mlp"), m.layers),
         Tensor("up", (e, f), ("embed", "mlp"), m.layers),
         Tensor("down", (f, e), ("mlp", "embed"), m.layers),
         Tensor("final_norm", (e,), ("embed",), 0),
     ]
-    if m.qk_norm:
+    if attention:
+        tensors += [
+            Tensor("wq", (e, h, d), ("embed", "heads", "head_dim"), attention),
+            Tensor("wk", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
+            Tensor("wv", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
+            Tensor("wo", (h, d, e), ("heads", "head_dim", "embed"), attention)]
+    if attention and m.qk_norm:
         tensors += [Tensor(name, (d,), ("head_dim",), attention) for name in ("q_norm", "k_norm")]
     if m.post_norms:
         tensors += [Tensor(name, (e,), ("embed",), m.layers)
@@ -61,7 +63,7 @@ def parameter_tensors(recipe: Recipe) -> list[Tensor]:
         tensors += linear_tensors(recipe, linear)
     if not m.tie_embeddings:
         tensors.append(Tensor("unembedding", (e, v), ("embed", "vocab"), 0))
-    return [t for t in tensors if not t.per_layer or t.layers]
+    return tensors
 
 
 def linear_tensors(recipe: Recipe, layers: int) -> list[Tensor]:
