@@ -29,9 +29,9 @@ COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
 #   collective-permute  R             (one whole buffer from its source)
 # Each instruction counts once per execution: times the trip counts of the while loops
 # around it (both branches of a conditional count as taken, except a layer kind's branch:
-# see layer_share_scope). Async pairs count once, at
-# X-done (its shape is the result; n comes from the X-start it waits for); async-start /
-# async-done wrappers are skipped and the collective inside the wrapped computation counts.
+# see layer_share_scope). Async pairs count once, at X-done (its shape is the result; n
+# comes from the X-start it waits for); async-start / async-done wrappers are skipped and
+# the collective inside the wrapped computation counts.
 
 # The model's scan over layers of several kinds picks each layer's kind with a switch;
 # the collectives of a kind's branch run in only `count` of the scan's `layers` steps.
