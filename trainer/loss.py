@@ -72,9 +72,13 @@ def resolve_chunk_tokens(chunk_tokens: int | None, seq_len: int) -> int:
 def _logits_and_log_partition(hidden: jax.Array, output_weights: jax.Array
                               ) -> tuple[jax.Array, jax.Array]:
     """The f32 logits [..., s, v] and their logsumexp [..., s, 1]."""
-    logits = jnp.einsum("...se,ev->...sv", hidden, output_weights,
-                        preferred_element_type=jnp.float32)
+    logits = _logits(hidden, output_weights)
     return logits, jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _logits(hidden: jax.Array, output_weights: jax.Array) -> jax.Array:
+    return jnp.einsum("...se,ev->...sv", hidden, output_weights,
+                      preferred_element_type=jnp.float32)
 
 
 def _per_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.Array,
@@ -124,9 +128,10 @@ def _chunked_per_token_loss(hidden, output_weights, targets, loss_mask, z_loss,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _chunk_losses(hidden, output_weights, targets, z_loss, chunks: TokenChunks):
     """[n, b, t] per-token losses and logsumexps, `chunks` of [b, s, e] hidden one chunk's
-    logits at a time. The backward recomputes each chunk's logits (it keeps only the inputs,
-    unsplit) and sums the output weights' gradient over the chunks in float32, rounding the
-    total once to the compute dtype: differentiating the scan would round at every chunk.
+    logits at a time. The backward recomputes each chunk's logits (it keeps the inputs,
+    unsplit, and the logsumexps) and sums the output weights' gradient over the chunks in
+    float32, rounding the total once to the compute dtype: differentiating the scan would
+    round at every chunk.
     The logsumexps are reported for the z-loss metric only: their cotangent is ignored."""
     def chunk_loss(carry, chunk):
         chunk_hidden, chunk_targets = chunk
@@ -136,18 +141,24 @@ def _chunk_losses(hidden, output_weights, targets, z_loss, chunks: TokenChunks):
 
 
 def _chunk_losses_forward(hidden, output_weights, targets, z_loss, chunks):
-    outputs = _chunk_losses(hidden, output_weights, targets, z_loss, chunks)
-    return outputs, (hidden, output_weights, targets)
+    per_token, log_partition = _chunk_losses(hidden, output_weights, targets, z_loss, chunks)
+    # The backward takes the logsumexps (4 bytes a token) rather than recomputing them.
+    # That also makes it wait for this scan: with nothing downstream needing the loss
+    # itself, XLA scheduled the scan last, holding the final hidden states (2 GiB per chip
+    # for llama3.1-8b at 256K tokens per chip) through the layers' whole backward:
+    # recipes/llama3_8b_1m.yaml on v5p:2x2x1 compiles to 84.42 GB this way, 87.04 that way.
+    return (per_token, log_partition), (hidden, output_weights, targets, log_partition)
 
 
 def _chunk_losses_backward(z_loss, chunks, residuals, output_grads):
-    hidden, output_weights, targets = residuals
+    hidden, output_weights, targets, log_partitions = residuals
     per_token_grads, _ = output_grads
     dtype = hidden.dtype
 
     def chunk_grads(weights_grad, chunk):
-        chunk_hidden, chunk_targets, grads = chunk
-        logits, log_partition = _logits_and_log_partition(chunk_hidden, output_weights)
+        chunk_hidden, chunk_targets, log_partition, grads = chunk
+        log_partition = log_partition[..., None]
+        logits = _logits(chunk_hidden, output_weights)
         # d(lse - target logit + z lse^2) / d logits = softmax (1 + 2 z lse) - one_hot
         scale = grads[..., None] * (1 + 2 * z_loss * log_partition)
         logits_grad = (jnp.exp(logits - log_partition) * scale
@@ -162,7 +173,8 @@ def _chunk_losses_backward(z_loss, chunks, residuals, output_grads):
 
     zeros = jnp.zeros(output_weights.shape, jnp.float32)
     weights_grad, hidden_grads = jax.lax.scan(
-        chunk_grads, zeros, (chunks.split(hidden), chunks.split(targets), per_token_grads))
+        chunk_grads, zeros,
+        (chunks.split(hidden), chunks.split(targets), log_partitions, per_token_grads))
     return chunks.merge(hidden_grads), weights_grad.astype(output_weights.dtype), None
 
 
