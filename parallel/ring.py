@@ -10,15 +10,18 @@ forward keeps only q, k, v, out and logsumexp; the backward rotates K/V once mor
 recomputes each step's gradients from the final out/logsumexp. Chip j's dK/dV are summed
 on the way round: the sum starts on chip j+1, which holds j's K/V at step 1, gains each
 later chip's share and reaches chip j-1 at the last step; one more send brings it home,
-where chip j adds its own share (c-1 sends, as for K/V). The sum that arrives for a block
-is what the kernel adds the block's dK/dV into, in place and in f32 (kernels without
-that add it right after), so a step waits for it before its kernel: one f32 dK/dV buffer per step where adding after the kernel (the
-hop hidden behind it) holds three, the sum going out, the one coming in and the fresh
-block; llama3.1-8b at 1M tokens on v5p:2x2x1 (recipes/llama3_8b_1m.yaml) needs
-87.04 GB per chip this way, 88.11 GB that way. The hop a step then waits for moves 8 bytes per K/V element against the
-kernel's 10 * chunk * (query heads / KV heads) flops: at 256K tokens per chip under 1% of
-the kernel's time on v5p, at 8K about 12% (where the planner prefers other strategies). Steps with nothing to attend (a chunk entirely in the
-causal future, or with a sliding window entirely behind it) are skipped.
+where chip j adds its own share (c-1 sends, as for K/V). The sum that arrives for a
+block is what the kernel adds the block's dK/dV into, in place and in f32 (kernels
+without that add it right after), so a step waits for it before its kernel: one f32
+dK/dV buffer per step where adding after the kernel (the hop hidden behind it) holds
+three, the sum going out, the one coming in and the fresh block; llama3.1-8b at 1M
+tokens on v5p:2x2x1 (recipes/llama3_8b_1m.yaml) needs 87.04 GB per chip this way, 88.11
+GB that way (both before the loss and MLP scheduling fixes, README; 83.71 GB since). The
+hop a step then waits for moves 8 bytes per K/V element against the kernel's 10 * chunk
+* (query heads / KV heads) flops: at 256K tokens per chip under 1% of the kernel's time
+on v5p, at 8K about 12% (where the planner prefers other strategies). Steps with nothing
+to attend (a chunk entirely in the causal future, or with a sliding window entirely
+behind it) are skipped.
 
 Layout: q, k, v, out and the gradients travel and accumulate in the kernel's own layout
 (head-major for the Pallas kernels, kernels/layout.py), converted once per layer on the
@@ -239,11 +242,12 @@ def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
                                   attend, skip, dq, *kv, arrived)
         return _tied((dq, next_kv, summed))
 
-    # Zeros XLA may make early, holding 4 GiB per chip through the work before the first
-    # kernel at 1M tokens on 4 chips. Made from a result of that work instead (0 x out),
-    # the program needs 83.78 GB instead of 87.04, but XLA:CPU then corrupts buffers in
-    # the interpreted Pallas kernel that adds into them (tests/test_halo.py's windowed ring
-    # gets NaNs): left as a constant until that is understood.
+    # Zeros XLA may make early, holding 4 GiB per chip through the work before the
+    # first kernel at 1M tokens on 4 chips. Made from a result of that work instead (0
+    # x out), the program needed 83.78 GB instead of 87.04 (before the scheduling
+    # fixes), but XLA:CPU then corrupts buffers in the interpreted Pallas kernel that
+    # adds into them (tests/test_halo.py's windowed ring gets NaNs): left as a
+    # constant until that is understood.
     dq = jnp.zeros(q.shape, jnp.float32)
     # Step 0, the chip's own chunk: its dK/dV stay here until the others' sum comes home.
     dq, kv, dkv = step(dq, _chunk(k, v, positions, segment_ids), None, send_kv=size > 1)
