@@ -7,21 +7,24 @@ not sent on (c-1 sends).
 
 The backward pass is written by hand (custom VJP) so that memory stays O(s/c): the
 forward keeps only q, k, v, out and logsumexp; the backward rotates K/V once more and
-recomputes each step's gradients from the final out/logsumexp. Chip j's dK/dV are summed
-on the way round: the sum starts on chip j+1, which holds j's K/V at step 1, gains each
+recomputes each step's gradients from the final out/logsumexp. It attends the other
+chips' chunks first (steps 1 .. c-1) and its own chunk last. Chip j's dK/dV are summed on
+the way round: the sum starts on chip j+1, which holds j's K/V at step 1, gains each
 later chip's share and reaches chip j-1 at the last step; one more send brings it home,
-where chip j adds its own share (c-1 sends, as for K/V). The sum that arrives for a
-block is what the kernel adds the block's dK/dV into, in place and in f32 (kernels
-without that add it right after), so a step waits for it before its kernel: one f32
-dK/dV buffer per step where adding after the kernel (the hop hidden behind it) holds
-three, the sum going out, the one coming in and the fresh block; llama3.1-8b at 1M
-tokens on v5p:2x2x1 (recipes/llama3_8b_1m.yaml) needs 87.04 GB per chip this way, 88.11
-GB that way (both before the loss and MLP scheduling fixes, README; 83.71 GB since). The
-hop a step then waits for moves 8 bytes per K/V element against the kernel's 10 * chunk
-* (query heads / KV heads) flops: at 256K tokens per chip under 1% of the kernel's time
-on v5p, at 8K about 12% (where the planner prefers other strategies). Steps with nothing
-to attend (a chunk entirely in the causal future, or with a sliding window entirely
-behind it) are skipped.
+where chip j's own chunk comes last and adds its share (c-1 sends, as for K/V). The sum
+that arrives for a block is what the kernel adds the block's dK/dV into, in place and in
+f32 (kernels without that add it right after), so a step waits for it before its
+kernel: one f32 dK/dV buffer per step where adding after the kernel (the hop hidden
+behind it) holds three, the sum going out, the one coming in and the fresh block. With
+the own chunk first (as the forward does it), its f32 dK/dV waited through every other
+step for the sum to come home: llama3.1-8b at 1M tokens on v5p:2x2x1
+(recipes/llama3_8b_1m.yaml) needed 83.71 GB per chip that way, 76.19 GB this way. The
+price is the first K/V hop of the backward, which no ring kernel hides (one bf16 K/V
+chunk per layer), and the dK/dV hops each step waits for: 8 bytes per K/V element
+against the kernel's 10 * chunk * (query heads / KV heads) flops, at 256K tokens per
+chip under 1% of the kernel's time on v5p, at 8K about 12% (where the planner prefers
+other strategies). Steps with nothing to attend (a chunk entirely in the causal future,
+or with a sliding window entirely behind it) are skipped.
 
 Layout: q, k, v, out and the gradients travel and accumulate in the kernel's own layout
 (head-major for the Pallas kernels, kernels/layout.py), converted once per layer on the
@@ -249,17 +252,20 @@ def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
     # adds into them (tests/test_halo.py's windowed ring gets NaNs): left as a
     # constant until that is understood.
     dq = jnp.zeros(q.shape, jnp.float32)
-    # Step 0, the chip's own chunk: its dK/dV stay here until the others' sum comes home.
-    dq, kv, dkv = step(dq, _chunk(k, v, positions, segment_ids), None, send_kv=size > 1)
+    own = _chunk(k, v, positions, segment_ids)
+    partial = None
     if size > 1:
-        dq, partial = _steps_after_the_first(step, dq, kv, size)
-        dkv = _plus(dkv, _sent_on(partial, axis_name))
+        dq, partial = _others_steps(step, dq, _send_all(own, axis_name), size)
+    # The chip's own chunk last: the sum of the others' shares has come home by then and
+    # takes this chip's share in place, so no f32 dK/dV pair waits through the steps.
+    dq, _, dkv = step(dq, own, partial, send_kv=False)
     return (*(relayout(g.astype(x.dtype), layout, given_layout) for g, x in
               ((dq, q), (dkv[0], k), (dkv[1], v))), None, None)
 
 
-def _steps_after_the_first(step, dq, kv, size):
-    """Steps 1 .. c-1 of the backward: dq and the dK/dV sum still to send home.
+def _others_steps(step, dq, kv, size):
+    """Steps 1 .. c-1 of the backward, the other chips' chunks: dq and the dK/dV sum
+    still to send home.
 
     Step 1 has no sum to receive yet and the last step no K/V to send on; the steps in
     between are all alike, one scan (one kernel call in the program for any c).
@@ -281,11 +287,6 @@ def _sent_on(partial, axis_name):
         return None
     return tuple(_send_to_next(x.astype(DKV_TRANSPORT_DTYPE), axis_name).astype(jnp.float32)
                  for x in partial)
-
-
-def _plus(fresh, arrived):
-    """The block's f32 dK/dV plus the sum that arrived for them (if any)."""
-    return fresh if arrived is None else tuple(a + b for a, b in zip(fresh, arrived))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

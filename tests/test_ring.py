@@ -200,10 +200,12 @@ def sends_across_kernels(hlo: str):
 def test_each_step_sends_across_its_kernel_on_tpu():
     """The ring's VJP with our Pallas kernels (Mosaic custom calls) compiled for v5p 2x2x1
     (c = 4): in the forward, the scan's step (run c-1 times) has K, V and the ids in
-    flight across its kernel, the last step sends nothing. In the backward, every step
-    but the last sends K, V, ids across its kernel; the dK and dV sums are not in flight
-    across any: the kernel adds into the sum that arrived (parallel/ring.py), so their
-    c-1 hops, two arrays each, finish before the kernels."""
+    flight across its kernel, the last step sends nothing. The backward attends the other
+    chips' chunks first and its own last (parallel/ring.py): the first K/V hop goes before
+    any kernel, steps 1 and 2 send K, V, ids across theirs, step 3 and the own chunk
+    send none. The dK and dV sums are not in flight across any kernel: the kernel adds
+    into the sum that arrived, so their c-1 hops, two arrays each, finish before the
+    kernels. Idle: those 6 and the first K/V hop's 3."""
     from tpu_aot import tpu_mesh
 
     mesh = tpu_mesh("v5p:2x2x1", {"data": 1, "fsdp": 1, "context": 4, "tensor": 1})
@@ -225,5 +227,5 @@ def test_each_step_sends_across_its_kernel_on_tpu():
     hlo = jax.jit(grads).lower(q, kv, kv, ids, ids, q).compile().as_text()
     forward, backward, idle = sends_across_kernels(hlo)
     assert sorted(forward) == [0, 3]
-    assert backward == [3, 3, 3, 0]
-    assert idle == 2 * 3
+    assert backward == [3, 3, 0, 0]
+    assert idle == 2 * 3 + 3
