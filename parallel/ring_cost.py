@@ -15,11 +15,13 @@ from lctrain.parallel.cost_model import (F32, RING_SENDS, TOKEN_IDS, AttentionFo
 
 
 def ring_attention_footprint(dm: Dims) -> AttentionFootprint:
-    """K, V, ids in flight (current + next), f32 dK, dV (three pairs: the code now holds
-    one per step, the kernel adding into the sum that arrived, but the compiled 1M-token
-    8B program shrank by only 1.07 GB with that change, so the count stays until the
-    ring's grid points are compiled again and refitted), f32 out/dq accumulators and lse,
-    q/out/dout in the compute dtype: all of one ring step's chunk."""
+    """K, V, ids in flight (current + next), f32 dK, dV, f32 out/dq accumulators and lse,
+    q/out/dout in the compute dtype: all of one ring step's chunk. dK/dV count three
+    pairs although a step holds one (the kernel adds into the sum that arrived): a fitted
+    figure: on the grid recompiled after the ring's own chunk went last, the estimate
+    with three is within 11.2% on the fit grid, and a refit with one pair does no better
+    than 14.0% (benchmarks/refit_planner.py --fit). Only programs with the MLP in chunks
+    peak here."""
     d, p = dm.d, dm.p
     heads = dm.h // dm.u
     kv = max(math.lcm(dm.kv, dm.u) // dm.u, 1) if dm.u > 1 else dm.kv
