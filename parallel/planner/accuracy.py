@@ -12,10 +12,10 @@ not been checked beyond the grid.
 
 A model whose scan picks each layer's kind with a switch (global and sliding layers,
 recipes/gemma3_like_8b_1m.yaml at 1M tokens on v5p:2x2x1, its sliding layers on halo;
-`plan --compile`): the estimate ran 3.2% under XLA with all_gather on the global layers,
-7.1% under with ring, 4.3% over with usp (2 x 2) and 17.5% under with ulysses, whose
-all-to-alls inside the switch cost about 12 GB more than in a model of global layers alone
-(84.46 GB against 72.30 GB compiled).
+`plan --compile`, 2026-12-05): the estimate ran 2.2% under XLA with all_gather on the
+global layers, 7.1% over with ring, 4.7% over with usp (2 x 2) and 21.1% under with
+ulysses, whose all-to-alls inside the switch cost about 15 GB more than in a model of
+global layers alone (88.27 GB against 73.29 GB compiled).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def estimate_note(recipe: Recipe, axis_sizes: dict[str, int]) -> str | None:
                        f"model moved by up to 22%")
     if recipe.model.switches_layer_kinds():
         reasons.append("with global and sliding layers (recipes/gemma3_like_8b_1m.yaml at "
-                       "1M tokens on 4 chips) it ran 3-7% under XLA's figure with "
-                       "all_gather, ring or usp on the global layers, and 17.5% under with "
+                       "1M tokens on 4 chips) it ran within 7% of XLA's figure with "
+                       "all_gather, ring or usp on the global layers, and 21% under with "
                        "ulysses")
     if not reasons:
         return None
