@@ -98,6 +98,15 @@ def test_bf16_gradients_within_bf16_rounding_of_dense(c):
         assert error < 1e-2, (name, error)
 
 
+def subprograms(eqn):
+    """The jaxprs an equation calls (a scan's or cond's bodies, a pjit's program)."""
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+            body = getattr(sub, "jaxpr", sub)
+            if hasattr(body, "eqns"):
+                yield body
+
+
 def ppermutes(jaxpr, times=1, counted=None):
     """Operands sent by ppermute in `jaxpr` and every program it calls, counted once per
     execution (a scan's body `length` times), keyed by (shape, dtype)."""
@@ -105,12 +114,8 @@ def ppermutes(jaxpr, times=1, counted=None):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "ppermute":
             counted.update({(v.aval.shape, v.aval.dtype.name): times for v in eqn.invars})
-        runs = times * eqn.params.get("length", 1)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                body = getattr(sub, "jaxpr", sub)
-                if hasattr(body, "eqns"):
-                    ppermutes(body, runs, counted)
+        for body in subprograms(eqn):
+            ppermutes(body, times * eqn.params.get("length", 1), counted)
     return counted
 
 
@@ -142,11 +147,8 @@ def f32_adds(jaxpr, shapes, counted=0):
                 and eqn.outvars[0].aval.dtype == jnp.float32
                 and eqn.outvars[0].aval.shape in shapes):
             counted += 1
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                body = getattr(sub, "jaxpr", sub)
-                if hasattr(body, "eqns"):
-                    counted = f32_adds(body, shapes, counted)
+        for body in subprograms(eqn):
+            counted = f32_adds(body, shapes, counted)
     return counted
 
 
