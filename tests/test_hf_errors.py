@@ -102,3 +102,48 @@ def test_rope_keys_may_differ_on_purpose(good_model):
     recipe = load_recipe(None, [f"model.init=hf:{good_model}", "model.rope_theta=1e6",
                                 "model.rope_scaling={type: linear, factor: 4}"])
     assert recipe.model.rope_theta == 1e6 and recipe.model.rope_scaling.type == "linear"
+
+
+def truncated_copy(folder, target, cut_bytes=100):
+    """The model folder with its weight file cut short in the data (the header intact)."""
+    import shutil
+
+    shutil.copytree(folder, target)
+    weights = target / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[:len(raw) - cut_bytes])
+    return target
+
+
+def test_weights_cut_short_in_their_data_name_file_and_tensor(tmp_path, good_model):
+    folder = truncated_copy(good_model, tmp_path / "model")
+    line = run_fails(folder, tmp_path)
+    assert f"{folder}/model.safetensors: tensor " in line
+    assert "past the file's end" in line and "re-download" in line
+
+
+def test_eval_of_weights_cut_short_is_one_line(tmp_path, good_model):
+    folder = truncated_copy(good_model, tmp_path / "model")
+    result = CliRunner().invoke(app, ["eval", "--run-dir", str(tmp_path / "none"),
+                                      "--set", f"model.init=hf:{folder}"])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "model.safetensors: tensor " in lines[0] and "cut short" in lines[0]
+
+
+def test_tensor_whose_byte_range_disagrees_with_its_shape_is_named(tmp_path, good_model):
+    import struct
+
+    folder = truncated_copy(good_model, tmp_path / "model", cut_bytes=0)
+    weights = folder / "model.safetensors"
+    raw = weights.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + length])
+    name = "model.norm.weight"
+    header[name]["shape"] = [header[name]["shape"][0] // 2]
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    assert len(encoded) <= length
+    encoded += b" " * (length - len(encoded))
+    weights.write_bytes(raw[:8] + encoded + raw[8 + length:])
+    line = run_fails(folder, tmp_path)
+    assert f"tensor {name} spans 256 bytes, but its shape [32] in F32 needs 128" in line

@@ -78,23 +78,53 @@ class SafetensorsFolder:
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor's entry, each checked to lie whole inside the file: a file cut short in
+    its data fails here, naming the tensor, rather than in a memory map mid-load."""
+    file_size = path.stat().st_size
     with open(path, "rb") as f:
         raw_length = f.read(8)
         length = struct.unpack("<Q", raw_length)[0] if len(raw_length) == 8 else -1
-        if not 0 < length <= path.stat().st_size - 8:
+        if not 0 < length <= file_size - 8:
             raise SafetensorsError(f"{path}: not a safetensors file (bad header length); "
                                    f"re-download or re-save it")
-        header = json.loads(f.read(length))
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise SafetensorsError(f"{path}: not a safetensors file (unreadable header); "
+                                   f"re-download or re-save it") from None
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in DTYPES:
-            raise SafetensorsError(f"{path}: tensor {name} is {info['dtype']}; lctrain reads "
-                                   f"{', '.join(DTYPES)}")
-        entries[name] = TensorEntry(path, DTYPES[info["dtype"]], tuple(info["shape"]),
-                                    8 + length + info["data_offsets"][0])
+        entry = _entry(path, name, info, 8 + length)
+        _check_bytes(entry, name, info, file_size)
+        entries[name] = entry
     return entries
+
+
+def _entry(path: Path, name: str, info: dict, data_start: int) -> TensorEntry:
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise SafetensorsError(f"{path}: tensor {name} has no dtype, shape and data_offsets "
+                               f"in the header; re-download or re-save the file")
+    if info["dtype"] not in DTYPES:
+        raise SafetensorsError(f"{path}: tensor {name} is {info['dtype']}; lctrain reads "
+                               f"{', '.join(DTYPES)}")
+    return TensorEntry(path, DTYPES[info["dtype"]], tuple(info["shape"]),
+                       data_start + info["data_offsets"][0])
+
+
+def _check_bytes(entry: TensorEntry, name: str, info: dict, file_size: int) -> None:
+    begin, end = info["data_offsets"]
+    expected = entry.dtype.itemsize * int(np.prod(entry.shape, dtype=np.int64))
+    if end - begin != expected:
+        raise SafetensorsError(
+            f"{entry.path}: tensor {name} spans {end - begin:,} bytes, but its shape "
+            f"{list(entry.shape)} in {DTYPE_NAMES[entry.dtype]} needs {expected:,}; "
+            f"re-download or re-save the file")
+    if entry.offset + expected > file_size:
+        raise SafetensorsError(
+            f"{entry.path}: tensor {name} ends at byte {entry.offset + expected:,}, past the "
+            f"file's end ({file_size:,} bytes): the file is cut short; re-download it")
 
 
 def write_folder(folder: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: np.dtype,
