@@ -21,8 +21,8 @@ from .coerce import build, coerce
 from .linear_checks import validate_linear_layers
 from .mesh_checks import validate_mesh
 from .schema import (KIND_ONLY_STRATEGIES, LAYER_KINDS, MODEL_PRESETS, REMAT_TENSORS,
-                     ROPE_KEYS, DataConfig, ModelConfig, Recipe,
-                     RecipeError, require)
+                     ROPE_KEYS, ROPE_SCALING_KEYS, DataConfig, ModelConfig, Recipe,
+                     RecipeError, read_rope_scaling_keys, require)
 
 DEFAULT_RECIPE = "tiny"
 
@@ -36,7 +36,10 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()
                 reads_data: bool = True) -> Recipe:
     """Loads a recipe file (or a built-in recipe by name; None = the default) and validates it
     (its data sources too, unless the command never `reads_data`)."""
-    raw = _read_yaml(path)
+    return _load(_read_yaml(path), overrides, reads_data)
+
+
+def _load(raw: dict[str, Any], overrides: list[str], reads_data: bool) -> Recipe:
     for assignment in overrides:
         key, value = _parse_override(assignment)
         _set_dotted(raw, key, value)
@@ -55,7 +58,12 @@ def load_run_recipe(run_dir: str | os.PathLike, overrides: list[str] = (), *,
     if not path.is_file():
         raise RecipeError(f"{path}: missing, so '{run_dir}' is not a run dir; give the folder "
                           f"`lctrain run` trained into (--run-dir)")
-    return load_recipe(path, ["model.init=random", *overrides], reads_data=reads_data)
+    raw = _read_yaml(path)
+    # Run dirs written before ROPE_SCALING_KEYS listed every rope_scaling key.
+    scaling = (raw.get("model") or {}).get("rope_scaling")
+    if isinstance(scaling, dict):
+        raw["model"]["rope_scaling"] = read_rope_scaling_keys(scaling)
+    return _load(raw, ["model.init=random", *overrides], reads_data)
 
 
 def _read_yaml(path: str | os.PathLike | None) -> dict[str, Any]:
@@ -138,9 +146,27 @@ def _fill_model_keys(raw: dict[str, Any]) -> None:
 def _merged_rope_scaling(base: dict[str, Any], given: Any) -> Any:
     if given is None:
         return dict(base)
-    if not isinstance(given, dict) or given.get("type", base["type"]) != base["type"]:
-        return given
-    return {**base, **given}
+    if not isinstance(given, dict):
+        return given  # build names the key
+    kind = given.get("type", base["type"])
+    _require_read_by(kind, given, "type" not in given)
+    return {**base, **given} if kind == base["type"] else given
+
+
+def _require_read_by(kind: Any, given: dict[str, Any], inherited: bool) -> None:
+    """Every model.rope_scaling key given is one that `kind` reads."""
+    if kind not in ROPE_SCALING_KEYS:
+        return  # build names the type
+    for key in given:
+        readers = [name for name, keys in ROPE_SCALING_KEYS.items() if key in keys]
+        if not readers or kind in readers:
+            continue  # type itself, or an unknown key that build names
+        where = " (the model's own, as the recipe gives no type)" if inherited else ""
+        choices = ", ".join(readers[:-1]) + (" or " if len(readers) > 1 else "") + readers[-1]
+        raise RecipeError(
+            f"recipe key 'model.rope_scaling.{key}' = {given[key]!r} is not used by "
+            f"model.rope_scaling.type '{kind}'{where}; set model.rope_scaling.type to "
+            f"{choices}, or remove the key")
 
 
 def _derive_model_keys(model: ModelConfig) -> None:

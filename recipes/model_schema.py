@@ -36,6 +36,27 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 # a pretrained model's context is extended.
 ROPE_KEYS = ("rope_theta", "rope_scaling")
 
+# The model.rope_scaling keys each type reads (type itself aside); a key given that its type
+# does not read is refused rather than ignored ({factor: 4} alone on a model without scaling
+# would otherwise train at the old RoPE).
+ROPE_SCALING_KEYS = {
+    "none": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "attention_factor", "truncate"),
+}
+
+
+
+def read_rope_scaling_keys(scaling: dict[str, Any]) -> dict[str, Any]:
+    """model.rope_scaling as YAML, with only the keys its type reads."""
+    kind = scaling.get("type", "none")
+    return {key: value for key, value in scaling.items()
+            if key == "type" or key in ROPE_SCALING_KEYS.get(kind, ())}
+
+
 # The kinds of layer model.layer_pattern mixes; a model without one is all global.
 LAYER_KINDS = ("global", "sliding", "linear")
 

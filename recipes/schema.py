@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 # The model section lives in model_schema.py; these names stay importable from here.
 from .model_schema import (LAYER_KINDS, LLAMA31_ROPE_SCALING, MODEL_PRESETS,  # noqa: F401
-                           ROPE_KEYS, LayerGroupConfig, ModelConfig, RopeScalingConfig)
+                           ROPE_KEYS, ROPE_SCALING_KEYS, LayerGroupConfig,
+                           read_rope_scaling_keys, ModelConfig, RopeScalingConfig)
 from .options import RecipeError, option, require  # noqa: F401
 
 REMAT_TENSORS = (
@@ -268,6 +269,8 @@ class Recipe:
         # Only the data key in use: both is an error, and without a mixture recipe.yaml
         # stays what it was before data.sources existed (resume compares it).
         del raw["data"]["source" if self.data.sources else "sources"]
+        # Keys the type does not read would be refused on loading it back.
+        raw["model"]["rope_scaling"] = read_rope_scaling_keys(raw["model"]["rope_scaling"])
         return raw
 
     def for_evaluation(self) -> "Recipe":

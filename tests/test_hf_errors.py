@@ -147,3 +147,11 @@ def test_tensor_whose_byte_range_disagrees_with_its_shape_is_named(tmp_path, goo
     weights.write_bytes(raw[:8] + encoded + raw[8 + length:])
     line = run_fails(folder, tmp_path)
     assert f"tensor {name} spans 256 bytes, but its shape [32] in F32 needs 128" in line
+
+
+def test_a_scaling_factor_without_a_type_on_an_unscaled_model_is_refused(tmp_path, good_model):
+    """config.json has no rope_scaling: a factor alone would train (and export) at the old
+    RoPE without a word."""
+    line = run_fails(good_model, tmp_path, "--set", "model.rope_scaling={factor: 4}")
+    assert "'model.rope_scaling.factor' = 4 is not used by model.rope_scaling.type 'none'" in line
+    assert "set model.rope_scaling.type to linear, llama3 or yarn" in line

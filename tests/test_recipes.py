@@ -77,6 +77,48 @@ def test_bad_values_name_the_key_and_the_fix(overrides, key, words):
     assert f"'{key}'" in str(err.value) and words in str(err.value)
 
 
+@pytest.mark.parametrize("scaling, key, readers", [
+    ("{factor: 4}", "factor", "linear, llama3 or yarn"),
+    ("{type: none, factor: 4}", "factor", "linear, llama3 or yarn"),
+    ("{type: linear, factor: 4, beta_fast: 16}", "beta_fast", "yarn"),
+    ("{type: yarn, factor: 4, low_freq_factor: 2}", "low_freq_factor", "llama3"),
+])
+def test_rope_scaling_keys_the_type_does_not_read_are_refused(scaling, key, readers):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, [f"model.rope_scaling={scaling}"])
+    message = str(err.value)
+    assert f"'model.rope_scaling.{key}'" in message and "model.rope_scaling.type" in message
+    assert f"set model.rope_scaling.type to {readers}" in message
+
+
+def test_rope_scaling_keys_merge_over_the_preset_type():
+    scaling = load_recipe(None, ["model.preset=llama3.1-8b",
+                                 "model.rope_scaling={factor: 128}"]).model.rope_scaling
+    assert (scaling.type, scaling.factor, scaling.original_max_position_embeddings) == (
+        "llama3", 128.0, 8192)
+
+
+@pytest.mark.parametrize("scaling", ["{type: none}", "{type: linear, factor: 4}",
+                                     "{type: yarn, factor: 8, beta_fast: 16}"])
+def test_a_written_recipe_loads_back_with_the_same_rope(tmp_path, scaling):
+    from lctrain.recipes import load_run_recipe
+
+    recipe = load_recipe(None, [f"model.rope_scaling={scaling}"])
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    assert load_run_recipe(tmp_path).model.rope_scaling == recipe.model.rope_scaling
+
+
+def test_a_run_dir_recipe_listing_every_rope_key_still_loads(tmp_path):
+    """recipe.yaml written before unread rope_scaling keys were refused lists them all."""
+    from lctrain.recipes import load_run_recipe
+
+    recipe = load_recipe(None)
+    raw = recipe.to_dict()
+    raw["model"]["rope_scaling"] = dataclasses.asdict(recipe.model.rope_scaling)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert load_run_recipe(tmp_path).model.rope_scaling.type == "none"
+
+
 def test_unknown_section_in_file(tmp_path):
     with pytest.raises(RecipeError, match="unknown recipe key 'trainer'"):
         load_recipe(write(tmp_path, "trainer:\n  steps: 3\n"))
