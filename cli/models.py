@@ -10,6 +10,8 @@ from typing import Optional
 import typer
 
 from lctrain.recipes import load_recipe, load_run_recipe
+from lctrain.trainer.output_files import check_target, kept_by_export
+from lctrain.trainer.tokenizer import tokenizer_path
 
 from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
                      default_run_dir, error_console, fail, start, wide_console)
@@ -24,6 +26,9 @@ def export(
     out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face model into."),
     step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the latest)."),
     dtype: str = typer.Option("bfloat16", help="Weights' dtype on disk: bfloat16 or float32."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace OUT_DIR when it holds files (never the run dir, "
+                                   "the run's model.init folder or its tokenizer's)."),
     set_: list[str] = SETS,
     coordinator: Optional[str] = COORDINATOR,
     num_processes: Optional[int] = NUM_PROCESSES,
@@ -35,6 +40,8 @@ def export(
         fail(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     # Export reads weights only: the run's training data may be long gone.
     recipe = attempt(lambda: load_run_recipe(run_dir, set_, reads_data=False))
+    attempt(lambda: check_target(out_dir, overwrite, "OUT_DIR",
+                                 kept_by_export(run_dir, tokenizer_path(recipe.data))))
     start(recipe.runtime.cpu_devices, coordinator, num_processes, process_id)
     import jax
 

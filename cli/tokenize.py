@@ -14,7 +14,8 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
 
 from lctrain.trainer.corpus import SUFFIXES, plan_pieces, tokenize_corpus
 from lctrain.trainer.data import DataError
-from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError
+from lctrain.trainer.output_files import OutputError, check_target
+from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError, sidecar_path
 
 from .common import app, console, error_console, fail
 
@@ -30,6 +31,8 @@ def tokenize(
     out: Path = typer.Option(..., help="Token file to write (.bin); the sidecar goes to OUT.json."),
     field: str = typer.Option("text", help="The text field of .jsonl lines / column of .parquet."),
     workers: Optional[int] = typer.Option(None, help="Processes (default: the CPU count)."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace OUT (and its sidecar) when it exists."),
 ) -> None:
     """Tokenize text into a raw token file (uint16, or uint32 past 65,536 ids) and a sidecar
     JSON that gives training its eos id and dtype."""
@@ -40,6 +43,8 @@ def tokenize(
         fail(f"--out {out}: must end with .bin (data.source reads raw tokens "
              f"from .bin files)")
     try:
+        for target in (out, sidecar_path(out)):
+            check_target(target, overwrite, "--out")
         loaded = DocumentTokenizer.load(tokenizer, key="--tokenizer")
         pieces = plan_pieces(sources, field)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -47,7 +52,7 @@ def tokenize(
             bar = progress.add_task("tokenizing", total=sum(piece.size for piece in pieces))
             info = tokenize_corpus(pieces, loaded, out, field=field, workers=workers,
                                    on_piece=lambda piece, _: progress.advance(bar, piece.size))
-    except (DataError, TokenizerError) as err:
+    except (DataError, TokenizerError, OutputError) as err:
         fail(str(err))
     console.print(f"{escape(str(out))}: {info['documents']:,} documents, {info['tokens']:,} "
                   f"tokens ({info['dtype']}, eos_id {info['eos_id']}); sidecar "

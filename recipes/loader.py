@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
+from lctrain.trainer.tokenizer import (DocumentTokenizer, TokenizerError, check_model_tokenizer,
+                                      token_file_settings)
 
 from .coerce import build, coerce
 from .linear_checks import validate_linear_layers
@@ -339,14 +340,17 @@ def _validate_source(recipe: Recipe, key: str = "data") -> None:
             if key == "data":
                 _require_no_tokenizer(d)
             token_file_settings(d.source, eos_id=d.eos_id, token_dtype=d.token_dtype,
-                                model_vocab=recipe.model.vocab)
+                                model_vocab=recipe.model.vocab, key=key,
+                                model_dir=recipe.model.hf_dir)
         elif d.tokenizer is not None:
             DocumentTokenizer.load(d.tokenizer, key="data.tokenizer").check_vocab(
-                recipe.model.vocab, key="data.tokenizer")
+                recipe.model.vocab, key="data.tokenizer", model_dir=recipe.model.hf_dir)
         else:
             require(recipe.model.vocab >= 257, "model.vocab", recipe.model.vocab,
                      "text sources use the byte tokenizer (256 bytes + end-of-document): "
                      "need >= 257, or set data.tokenizer")
+        if recipe.model.hf_dir is not None:
+            check_model_tokenizer(recipe.model.hf_dir, d, key)
     except TokenizerError as err:
         raise RecipeError(str(err)) from None
 
@@ -379,7 +383,9 @@ def _validate_mixture(recipe: Recipe) -> None:
     try:
         make_source(d, vocab=recipe.model.vocab, seed=recipe.train.seed,
                     holdout=recipe.eval.data_holdout)
-    except DataError as err:
+        if recipe.model.hf_dir is not None:  # make_source checked that the sources agree
+            check_model_tokenizer(recipe.model.hf_dir, d)
+    except (DataError, TokenizerError) as err:
         raise RecipeError(str(err)) from None
 
 

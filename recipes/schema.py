@@ -78,6 +78,11 @@ class DataConfig:
             "max_doc_tokens, start_at_document}, keys below; each row of a batch comes from "
             "one source, drawn with probability weight / sum of weights. Leave data.source "
             "unset with it. The sources must share one tokenizer.")
+    other_tokenizer: bool = option(
+        False, "With model.init=hf:<dir>: the data's tokenizer (its sidecar's, or "
+               "data.tokenizer) may differ from the folder's tokenizer.json, as when the "
+               "vocabulary is changed on purpose. false refuses such data: the same ids would "
+               "mean other text to the model, and the export would ship the data's tokenizer.")
 
 
 @dataclass

@@ -121,7 +121,9 @@ def test_sidecar_says_how_the_file_was_made(hf_dir, reference, tmp_path):
                       "--out", out, "--workers", 1)
     assert result.exit_code == 0, result.output
     sidecar = json.loads((tmp_path / "tokens.bin.json").read_text())
-    assert sidecar == {"tokenizer": hf_dir, "eos_id": EOS, "bos_id": BOS,
+    assert sidecar == {"tokenizer": hf_dir,
+                       "tokenizer_fingerprint": DocumentTokenizer.load(hf_dir).fingerprint,
+                       "eos_id": EOS, "bos_id": BOS,
                        "vocab_size": reference.get_vocab_size(with_added_tokens=True),
                        "dtype": "uint16", "documents": 4,
                        "tokens": len(expected_tokens(reference, DOCS))}
@@ -297,4 +299,57 @@ def test_cli_jsonl_line_without_the_field(hf_dir, tmp_path):
     result = tokenize(corpus, "--tokenizer", hf_dir, "--out", tmp_path / "t.bin")
     assert result.exit_code == 2, result.output
     assert "c.jsonl line 1: no field 'text'; pick the text field with --field" in result.output
-    assert not (tmp_path / "t.bin").exists() and not (tmp_path / "t.bin.partial").exists()
+    assert not (tmp_path / "t.bin").exists() and not list(tmp_path.glob(".t.bin*"))
+
+
+# --------------------------------------------------------------------------------------
+# Nothing a user has is overwritten or misread
+# --------------------------------------------------------------------------------------
+
+def test_tokenize_refuses_an_existing_out_unless_overwrite(hf_dir, token_file, tmp_path):
+    before = token_file.read_bytes(), (tmp_path / "tokens.bin.json").read_text()
+    corpus = write_jsonl(tmp_path / "other.jsonl", DOCS[:2], field="text")
+    result = tokenize(corpus, "--tokenizer", hf_dir, "--out", token_file)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert f"--out {token_file}: the file exists already" in lines[0] and "--overwrite" in lines[0]
+    assert (token_file.read_bytes(), (tmp_path / "tokens.bin.json").read_text()) == before
+    result = tokenize(corpus, "--tokenizer", hf_dir, "--out", token_file, "--overwrite")
+    assert result.exit_code == 0, result.output
+    sidecar = json.loads((tmp_path / "tokens.bin.json").read_text())
+    assert sidecar["documents"] == 2 and token_file.stat().st_size == 2 * sidecar["tokens"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_failed_tokenize_leaves_the_old_files(hf_dir, token_file, tmp_path):
+    before = token_file.read_bytes(), (tmp_path / "tokens.bin.json").read_text()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n')
+    result = tokenize(bad, "--tokenizer", hf_dir, "--out", token_file, "--overwrite")
+    assert result.exit_code == 2 and "bad.jsonl line 2: not valid JSON" in result.output
+    assert (token_file.read_bytes(), (tmp_path / "tokens.bin.json").read_text()) == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_fingerprint_tells_tokenizers_of_one_vocabulary_size_apart(hf_dir, tmp_path):
+    copy = save_tokenizer(tmp_path / "copy", train_tokenizer(),
+                          {"bos_token": "<s>", "eos_token": "</s>"})
+    # The same vocabulary with two tokens' ids swapped: same size, other ids.
+    spec = json.loads(train_tokenizer().to_str())
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    other = Tokenizer.from_str(json.dumps(spec))
+    other_dir = save_tokenizer(tmp_path / "other", other, {"bos_token": "<s>", "eos_token": "</s>"})
+    ours = DocumentTokenizer.load(hf_dir)
+    assert DocumentTokenizer.load(copy).fingerprint == ours.fingerprint
+    assert DocumentTokenizer.load(other_dir).vocab_size == ours.vocab_size
+    assert DocumentTokenizer.load(other_dir).fingerprint != ours.fingerprint
+
+
+def test_a_token_file_replaced_without_its_sidecar_is_refused(token_file):
+    token_file.write_bytes(token_file.read_bytes()[:-4])
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, [f"data.source={token_file}", "model.vocab=512"])
+    assert f"data.source {token_file}: " in str(err.value)
+    assert "come from different runs of lctrain tokenize" in str(err.value)

@@ -26,7 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .data import DataError, files_under, text_of
-from .tokenizer import DocumentTokenizer, dtype_for_vocab, write_sidecar
+from .output_files import replaced
+from .tokenizer import DocumentTokenizer, dtype_for_vocab, sidecar_path, sidecar_text
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 # Big enough that sending a piece to a worker costs little beside tokenizing it, small
@@ -210,24 +211,33 @@ def tokenize_corpus(pieces: list[Piece], tokenizer: DocumentTokenizer, out: str 
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     encoder = PieceEncoder(tokenizer, field, dtype)
     out = Path(out)
-    partial = out.with_name(out.name + ".partial")  # renamed when complete: never half a file
     documents = tokens = 0
+    # Both files are written beside their targets and renamed when complete: never half a
+    # file. The old sidecar goes first; a crash between the renames leaves a token file
+    # without a sidecar, never new tokens under the old sidecar (whose token count would
+    # not match the file: token_file_settings refuses that too).
+    side = out.with_name(f".{out.name}.json.partial-{os.getpid()}")
     try:
-        with partial.open("wb") as file:
-            for piece, (ids, count) in zip(pieces, _encode_in_order(pieces, encoder, workers)):
-                ids.tofile(file)
-                documents, tokens = documents + count, tokens + len(ids)
-                on_piece(piece, count)
-        if documents == 0:
-            raise DataError(f"{out}: nothing to write, every input document is empty; check "
-                            f"the sources (and --field)")
+        with replaced(out, folder=False) as partial:
+            with partial.open("wb") as file:
+                for piece, (ids, count) in zip(pieces,
+                                               _encode_in_order(pieces, encoder, workers)):
+                    ids.tofile(file)
+                    documents, tokens = documents + count, tokens + len(ids)
+                    on_piece(piece, count)
+            if documents == 0:
+                raise DataError(f"{out}: nothing to write, every input document is empty; "
+                                f"check the sources (and --field)")
+            info = dict(tokenizer=tokenizer.path, tokenizer_fingerprint=tokenizer.fingerprint,
+                        eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
+                        vocab_size=tokenizer.vocab_size, dtype=dtype, documents=documents,
+                        tokens=tokens)
+            side.write_text(sidecar_text(info))
+            sidecar_path(out).unlink(missing_ok=True)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        side.unlink(missing_ok=True)
         raise
-    os.replace(partial, out)
-    info = dict(tokenizer=tokenizer.path, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
-                vocab_size=tokenizer.vocab_size, dtype=dtype, documents=documents, tokens=tokens)
-    write_sidecar(out, info)
+    os.replace(side, sidecar_path(out))
     return info
 
 

@@ -9,6 +9,7 @@ import re
 from lctrain.recipes.schema import RecipeError
 
 from .data import DataError
+from .output_files import OutputError
 
 
 class RunFailure(RuntimeError):
@@ -70,7 +71,7 @@ def _readable(amount: str) -> str:
 def explain(err: BaseException) -> tuple[str, int] | None:
     """(one-line message, exit code) for an expected failure; None for a bug. Exit 2 is bad
     input found before anything compiled, exit 1 a run or command that failed."""
-    if isinstance(err, (RecipeError, DataError)):
+    if isinstance(err, (RecipeError, DataError, OutputError)):
         return str(err), 2
     if isinstance(err, RunFailure):
         return str(err), 1

@@ -22,6 +22,7 @@ from .hf_checkpoint import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
 from .hf_config import check_exportable, config_json
 from .safetensors_io import write_folder
 from .loop import mesh_for
+from .output_files import replaced
 from .progress import Bar
 from .step import build_trainable
 from .tokenizer import DocumentTokenizer, data_tokenizer
@@ -44,9 +45,20 @@ def export_run(recipe: Recipe, run_dir: Path, out_dir: Path, step: int | None = 
 
 def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat16",
               max_shard_bytes: int = 5 * 2**30, console=None) -> list[str]:
-    """Writes the folder; returns the names of the files written."""
+    """Writes the folder, in place of whatever `out_dir` held (the caller decided it may be
+    replaced: output_files.check_target); returns the names of the files written."""
     is_main = jax.process_index() == 0
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not is_main:  # the other processes take part in each gather and write nothing
+        _write_hf(recipe, params, out_dir, dtype, max_shard_bytes, None, write=False)
+        return []
+    with replaced(out_dir, folder=True) as staging:
+        _write_hf(recipe, params, staging, dtype, max_shard_bytes, console, write=True,
+                  label=f"writing {out_dir}")
+    return sorted(path.name for path in out_dir.iterdir())
+
+
+def _write_hf(recipe: Recipe, params: dict, folder: Path, dtype: str, max_shard_bytes: int,
+              console, write: bool, label: str = "") -> None:
     layers = recipe.model.layers
     located: dict[str, tuple[HFTensor, int | None]] = {}
     shapes = []
@@ -64,17 +76,17 @@ def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat1
         bar.advance()
         return to_hf(tensor.layout, _on_host(leaf if layer is None else leaf[layer]))
 
-    with Bar(console if is_main else None, f"writing {out_dir}", len(shapes)) as bar:
-        write_folder(out_dir, shapes, DTYPES[dtype], values, max_shard_bytes, write=is_main)
-    if is_main:
-        tokenizer = data_tokenizer(recipe.data)
-        special = {}
-        if tokenizer:
-            special = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id}
-            _copy_tokenizer_files(tokenizer, out_dir)
-        config = config_json(recipe.model, recipe.data.seq_len, dtype, special)
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return sorted(path.name for path in out_dir.iterdir())
+    with Bar(console, label, len(shapes)) as bar:
+        write_folder(folder, shapes, DTYPES[dtype], values, max_shard_bytes, write=write)
+    if not write:
+        return
+    tokenizer = data_tokenizer(recipe.data)
+    special = {}
+    if tokenizer:
+        special = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id}
+        _copy_tokenizer_files(tokenizer, folder)
+    config = config_json(recipe.model, recipe.data.seq_len, dtype, special)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _copy_tokenizer_files(tokenizer: DocumentTokenizer, out_dir: Path) -> None:

@@ -184,10 +184,11 @@ def _tokenizer_identity(path: Path, cfg: DataConfig, eos_id: int | None) -> dict
         except TokenizerError as err:
             raise DataError(str(err)) from None
         return {"tokenizer": info.get("tokenizer"), "vocab_size": info.get("vocab_size"),
-                "eos_id": eos_id}
+                "tokenizer_fingerprint": info.get("tokenizer_fingerprint"), "eos_id": eos_id}
     # lctrain tokenize writes the tokenizer's absolute path into a sidecar.
     return {"tokenizer": os.path.abspath(cfg.tokenizer) if cfg.tokenizer else "bytes",
-            "vocab_size": None if cfg.tokenizer else BYTE_EOS + 1, "eos_id": eos_id}
+            "vocab_size": None if cfg.tokenizer else BYTE_EOS + 1,
+            "tokenizer_fingerprint": None, "eos_id": eos_id}
 
 
 def _check_same_tokenizer(i: int, spec: SourceConfig, identities: list[dict]) -> None:

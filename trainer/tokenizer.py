@@ -25,6 +25,7 @@ No jax here: the recipe loader checks tokenizers and sidecars before anything co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 UINT16_VOCAB = 1 << 16  # ids 0..65535 fit in uint16
+ITEMSIZES = {"uint16": 2, "uint32": 4}  # token-file element types, in bytes
 
 
 class TokenizerError(ValueError):
@@ -50,6 +52,14 @@ class DocumentTokenizer:
     eos_id: int
     bos_id: int | None
     add_bos: bool  # tokenizer_config.json's add_bos_token
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of everything that maps text to ids (normalizer, pre-tokenizer, vocabulary,
+        merges, added tokens) and of the end-of-document id: equal for two copies of one
+        tokenizer, different for another tokenizer of the same vocabulary size."""
+        canonical = json.dumps(json.loads(self.tokenizer.to_str()), sort_keys=True)
+        return hashlib.sha256(f"{canonical}\neos {self.eos_id}".encode()).hexdigest()[:16]
 
     @property
     def vocab_size(self) -> int:
@@ -87,8 +97,8 @@ class DocumentTokenizer:
         # add_eos_token needs no case of its own: every document gets the eos exactly once.
         return ids if ids[-1:] == [self.eos_id] else [*ids, self.eos_id]
 
-    def check_vocab(self, model_vocab: int, key: str) -> None:
-        check_vocab(self.vocab_size, model_vocab, f"{key} {self.path}")
+    def check_vocab(self, model_vocab: int, key: str, model_dir: str | None = None) -> None:
+        check_vocab(self.vocab_size, model_vocab, f"{key} {self.path}", model_dir)
 
 
 def _tokenizer_file(path: Path, key: str) -> Path:
@@ -127,12 +137,17 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return value
 
 
-def check_vocab(vocab_size: int, model_vocab: int, what: str) -> None:
-    """Every id the tokenizer can emit needs a row in the model's embedding."""
-    if vocab_size > model_vocab:
-        raise TokenizerError(
-            f"{what}: tokenizer vocabulary {vocab_size} exceeds model.vocab {model_vocab}; set "
-            f"model.vocab to at least {vocab_size} or use the model's own tokenizer")
+def check_vocab(vocab_size: int, model_vocab: int, what: str,
+                model_dir: str | None = None) -> None:
+    """Every id the tokenizer can emit needs a row in the model's embedding. An imported
+    model's vocabulary is its config.json's (model_dir), so the fix there is the tokenizer."""
+    if vocab_size <= model_vocab:
+        return
+    fix = (f"tokenize with model.init's own tokenizer (--tokenizer {model_dir}): an imported "
+           f"model's vocabulary is its config.json's vocab_size" if model_dir else
+           f"set model.vocab to at least {vocab_size} or use the model's own tokenizer")
+    raise TokenizerError(f"{what}: tokenizer vocabulary {vocab_size} exceeds model.vocab "
+                         f"{model_vocab}; {fix}")
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -149,7 +164,11 @@ def sidecar_path(token_file: str | os.PathLike) -> Path:
 
 
 def write_sidecar(token_file: str | os.PathLike, info: dict[str, Any]) -> None:
-    sidecar_path(token_file).write_text(json.dumps(info, indent=2) + "\n")
+    sidecar_path(token_file).write_text(sidecar_text(info))
+
+
+def sidecar_text(info: dict[str, Any]) -> str:
+    return json.dumps(info, indent=2) + "\n"
 
 
 def read_sidecar(token_file: str | os.PathLike) -> dict[str, Any] | None:
@@ -169,18 +188,36 @@ def read_sidecar(token_file: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def token_file_settings(token_file: str | os.PathLike, *, eos_id: int | None,
-                        token_dtype: str | None, model_vocab: int) -> tuple[int | None, str]:
+                        token_dtype: str | None, model_vocab: int, key: str = "data",
+                        model_dir: str | None = None) -> tuple[int | None, str]:
     """(eos id, element type) of a token file: its sidecar's when it has one, where a recipe
-    value must agree; else the recipe's (dtype uint16 when unset)."""
+    value must agree; else the recipe's (dtype uint16 when unset). `key` is the section
+    whose source it is (data or eval), `model_dir` model.init's folder, for the messages."""
     info = read_sidecar(token_file)
     if info is None:
         return eos_id, token_dtype or "uint16"
     where = f"sidecar {sidecar_path(token_file)}"
     _agree("data.eos_id", eos_id, info.get("eos_id"), where)
     _agree("data.token_dtype", token_dtype, info.get("dtype"), where)
+    _check_token_count(Path(token_file), info, where)
     if info.get("vocab_size") is not None:
-        check_vocab(info["vocab_size"], model_vocab, f"data.source {os.fspath(token_file)}")
+        check_vocab(info["vocab_size"], model_vocab, f"{key}.source {os.fspath(token_file)}",
+                    model_dir)
     return info.get("eos_id"), info.get("dtype") or token_dtype or "uint16"
+
+
+def _check_token_count(token_file: Path, info: dict[str, Any], where: str) -> None:
+    """A .bin file holds exactly the sidecar's tokens: else one of the two was replaced
+    without the other, and the sidecar's eos id and dtype may not be the file's."""
+    tokens, itemsize = info.get("tokens"), ITEMSIZES.get(info.get("dtype"))
+    if token_file.suffix != ".bin" or not isinstance(tokens, int) or itemsize is None:
+        return
+    size = token_file.stat().st_size
+    if size != tokens * itemsize:
+        raise TokenizerError(
+            f"data.source {token_file}: {size:,} bytes, but the {where} describes {tokens:,} "
+            f"{info['dtype']} tokens ({tokens * itemsize:,} bytes): the file and its sidecar "
+            f"come from different runs of lctrain tokenize; tokenize again")
 
 
 def _agree(key: str, recipe_value: Any, sidecar_value: Any, where: str) -> None:
@@ -190,12 +227,48 @@ def _agree(key: str, recipe_value: Any, sidecar_value: Any, where: str) -> None:
             f"leave {key} unset (the sidecar's is used) or make it equal")
 
 
+def data_fingerprint(data) -> tuple[str, str] | None:
+    """(fingerprint, where it comes from) of the tokenizer `data` was or will be tokenized
+    with: the token file's sidecar's, else its tokenizer's (an older sidecar has none), else
+    data.tokenizer's; None for synthetic data, the byte tokenizer and bare token files."""
+    token_file = data.sources[0].path if data.sources else data.source
+    info = (read_sidecar(token_file) or {}) if Path(token_file).suffix in (".bin", ".npy") else {}
+    if info.get("tokenizer_fingerprint"):
+        return info["tokenizer_fingerprint"], f"{token_file} (tokenized with {info['tokenizer']})"
+    path = tokenizer_path(data)
+    if path is None or not Path(path).exists():
+        return None
+    return DocumentTokenizer.load(path).fingerprint, str(path)
+
+
+def check_model_tokenizer(model_dir: str, data, key: str = "data") -> None:
+    """The data's tokenizer is model.init's folder's (when the folder has one), unless
+    data.other_tokenizer says a different one is intended."""
+    if data.other_tokenizer or not (Path(model_dir) / "tokenizer.json").is_file():
+        return
+    found = data_fingerprint(data)
+    model = DocumentTokenizer.load(model_dir, key="model.init")
+    if found is None or found[0] == model.fingerprint:
+        return
+    fingerprint, where = found
+    raise TokenizerError(
+        f"{key}.source {where} has tokenizer fingerprint {fingerprint}, but model.init's "
+        f"folder {model_dir} has tokenizer {model.fingerprint}: the ids would mean other text "
+        f"to the model; tokenize with --tokenizer {model_dir}, or set "
+        f"data.other_tokenizer=true if the other tokenizer is intended")
+
+
 def data_tokenizer(data) -> DocumentTokenizer | None:
     """The tokenizer `data` (a recipe's DataConfig) was made with: data.tokenizer, else its
     token file's sidecar's (a mixture's first source's: the loader checked that they agree);
     None for synthetic data and the byte tokenizer."""
-    path = data.tokenizer
-    token_file = data.sources[0].path if data.sources else data.source
-    if path is None and Path(token_file).suffix in (".bin", ".npy"):
-        path = (read_sidecar(token_file) or {}).get("tokenizer")
+    path = tokenizer_path(data)
     return DocumentTokenizer.load(path) if path else None
+
+
+def tokenizer_path(data) -> str | None:
+    """Where data_tokenizer's tokenizer is (a folder or a tokenizer.json), without loading it."""
+    token_file = data.sources[0].path if data.sources else data.source
+    if data.tokenizer is None and Path(token_file).suffix in (".bin", ".npy"):
+        return (read_sidecar(token_file) or {}).get("tokenizer")
+    return data.tokenizer
