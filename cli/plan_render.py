@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lctrain.parallel.chips import GB
+
 if TYPE_CHECKING:
     from lctrain.parallel.planner import Plan
 
 
-def _gib(x: float | None) -> str:
-    return "-" if x is None else f"{x / 2**30:,.2f}"
+def _gb(x: float | None) -> str:
+    return "-" if x is None else f"{x / GB:,.2f}"
 
 
 def _seconds(x: float) -> str:
@@ -29,31 +31,34 @@ def render(result: Plan, console, title: str = "") -> None:
     across_slices = any(dcn.values())
     # Escaped: a model folder (hf:<dir>) may hold square brackets, rich's markup.
     table = Table(title=escape(title) or None, title_justify="left")
-    for name, justify in (("strategy", "left"), ("HBM\nGiB/device", "right"),
-                          ("host\nGiB/device", "right"), ("comm\nGiB/step", "right"),
-                          *([("of it DCN\nGiB/step", "right")] if across_slices else []),
+    for name, justify in (("strategy", "left"), ("HBM\nGB/device", "right"),
+                          ("host\nGB/device", "right"), ("comm\nGB/step", "right"),
+                          *([("of it DCN\nGB/step", "right")] if across_slices else []),
                           ("comm time /\ncompute time", "right"), ("MFU\nbound", "right"),
                           ("ring\nhidden", "center"), ("fits", "center")):
         table.add_column(name, justify=justify, no_wrap=True)
     if compiled:
-        for name in ("XLA HBM\nGiB/device", "HBM\ngap", "XLA comm\nGiB/step", "comm\ngap"):
+        for name in ("XLA HBM\nGB/device", "HBM\ngap", "XLA comm\nGB/step", "comm\ngap"):
             table.add_column(name, justify="right", no_wrap=True)
     for p in result.plans:
-        row = [p.name, _gib(p.hbm_bytes), _gib(p.host_bytes), _gib(p.comm_bytes),
-               *([_gib(dcn[p.name])] if across_slices else []),
+        row = [p.name, _gb(p.hbm_bytes), _gb(p.host_bytes), _gb(p.comm_bytes),
+               *([_gb(dcn[p.name])] if across_slices else []),
                f"{_seconds(p.comm_s)} / {_seconds(p.compute_s)}", f"{p.mfu_bound:.0%}",
                {None: "-", True: "yes", False: "no"}[p.ring_hidden],
                "[green]yes[/]" if p.fits else "[red]no[/]"]
         if compiled:
             c = p.compiled_json() if p.compiled is not None else {}
             hbm_gap, comm_gap = c.get("hbm_gap_percent"), c.get("comm_gap_percent")
-            row += [_gib(c.get("compiled_hbm_bytes_per_device"))
-                    if c.get("compiled_hbm_bytes_per_device") is not None else "OOM",
+            row += [_compiled_cell(p, c),
                     "-" if hbm_gap is None else f"{hbm_gap:+.1f}%",
-                    _gib(c.get("compiled_comm_bytes_per_step")),
+                    _gb(c.get("compiled_comm_bytes_per_step")),
                     "-" if comm_gap is None else f"{comm_gap:+.1f}%"]
         table.add_row(*row)
     console.print(table)
+    for p in result.plans:
+        if p.compile_failed:
+            console.print(f"[yellow]{p.name}: {escape(p.compiled['error'])}[/] (README, "
+                          f"Failures)", highlight=False, soft_wrap=True)
     for strategy, why in result.skipped.items():
         if strategy != "none":
             console.print(f"[dim]{strategy}: {escape(why)}[/]", highlight=False)
@@ -67,12 +72,20 @@ def render(result: Plan, console, title: str = "") -> None:
                       soft_wrap=True)
 
 
+def _compiled_cell(p, figures: dict) -> str:
+    """XLA's HBM figure; OOM where the compiler refused the program for its size, failed
+    where it refused it for another reason or died compiling it."""
+    if figures.get("compiled_hbm_bytes_per_device") is not None:
+        return _gb(figures["compiled_hbm_bytes_per_device"])
+    return "failed" if p.compile_failed else "OOM"
+
+
 def kinds_line(p) -> str:
     """The recommended plan per layer kind (model.layer_pattern): each kind's strategy and
     the traffic of its own collectives; the table's figures are the kinds' totals."""
     kinds = "; ".join(
         f"{kind} ({part.layers} layers{f', window {part.window:,}' if part.window else ''})"
-        f": {p.kind_name(part.strategy)}, {_gib(part.comm_bytes)} GiB/step of its own traffic"
+        f": {p.kind_name(part.strategy)}, {_gb(part.comm_bytes)} GB/step of its own traffic"
         for kind, part in p.kinds.items())
     return f"per layer kind: {kinds}; the table's figures add up the kinds"
 

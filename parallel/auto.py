@@ -22,9 +22,9 @@ import re
 from typing import Any, Callable
 
 from lctrain.parallel import planner
-from lctrain.parallel.chips import CHIPS, Chip, chip_for_device_kind
+from lctrain.parallel.chips import CHIPS, Chip, chip_for_device_kind, gigabytes
 from lctrain.parallel.layer_strategies import strategy_name
-from lctrain.parallel.planner.results import StrategyPlan
+from lctrain.parallel.planner.results import COMPILER_FAILED, StrategyPlan, is_xla_error
 from lctrain.recipes.schema import Recipe, RecipeError
 
 # A strategy name, or (model.layer_pattern) a map layer kind -> name
@@ -137,10 +137,6 @@ class CompiledNeed:
     seconds: float = 0.0            # lowering and compiling took
 
 
-def gigabytes(nbytes: float) -> str:
-    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:,.1f} MB"
-
-
 def compiled_line(need: CompiledNeed, limit: int | None) -> str:
     """The line every run prints once its train step is compiled."""
     host = f" + {gigabytes(need.host_bytes)} host" if need.host_bytes else ""
@@ -171,6 +167,8 @@ def first_that_fits(candidates: list[tuple[Strategy, int]],
 
 def shortfall(need: CompiledNeed, limit: int | None) -> str:
     """'ring needs 97.2 GB of 95.7 GB per device' (or XLA's words when it gave no figure)."""
+    if (need.refused or "").startswith(COMPILER_FAILED):
+        return f"{need.name}: {need.refused}"
     if not need.hbm_bytes:
         return f"{need.name} does not fit: {need.refused}"
     of = f" of {gigabytes(limit)}" if limit else ""
@@ -183,6 +181,16 @@ def none_fits(needs: list[CompiledNeed], limit: int) -> str:
     tried = (f" (the least of {', '.join(need.name for need in needs)})" if len(needs) > 1
              else "")
     return shortfall(smallest, limit) + tried
+
+
+def compiler_failure(name: str, err: BaseException) -> CompiledNeed | None:
+    """The need of a candidate XLA refused to compile for a reason other than memory
+    (libtpu 0.0.50: "UNIMPLEMENTED: No feasible span count for single input all reduce
+    scatter fusion ..."): no figure, ranked after every candidate that has one. None when
+    `err` is not XLA's."""
+    if not is_xla_error(err):
+        return None
+    return CompiledNeed(name, 0, refused=f"{COMPILER_FAILED}: {str(err).splitlines()[0][:300]}")
 
 
 # XLA's TPU compiler refuses a program over HBM with "Used 97.24G of 95.74G hbm", in binary

@@ -27,9 +27,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-GB = 10**9
-GIB = 2**30
+GB = 10**9         # the unit every memory figure is shown in (the plan, the run, errors)
+GIB = 2**30        # XLA's "G" (its messages and HBM capacities)
 GBIT = 10**9 / 8   # bytes per second in one Gb/s
+
+
+def gigabytes(nbytes: float) -> str:
+    """A memory figure as users read it everywhere: decimal GB (MB below 0.1 GB)."""
+    return f"{nbytes / GB:,.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:,.1f} MB"
 
 
 @dataclass(frozen=True)

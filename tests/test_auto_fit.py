@@ -10,8 +10,8 @@ import jax
 import pytest
 from rich.console import Console
 
-from lctrain.parallel.auto import (CompiledNeed, first_that_fits, gigabytes, none_fits,
-                                   refused_need)
+from lctrain.parallel.auto import CompiledNeed, first_that_fits, none_fits, refused_need
+from lctrain.parallel.chips import gigabytes
 from lctrain.recipes import load_recipe
 from lctrain.trainer import loop
 from lctrain.trainer.failures import DoesNotFit, explain, out_of_device_memory
@@ -105,9 +105,9 @@ def test_each_candidate_compiles_once_until_one_fits():
     candidates = [("all_gather", 1), ("ulysses", 1), ("usp", 2), ("ring", 1)]
     found = first_that_fits(candidates, compile_candidate, 95_700_000_000, lines.append)
     assert found[0] == "executable of usp" and tried == ["all_gather", "ulysses", "usp"]
-    assert lines == ["all_gather needs 97.2 GB of 95.7 GB per device; trying ulysses",
-                     "ulysses needs 96.0 GB of 95.7 GB per device; trying usp (ulysses 2)",
-                     "compiled train step: usp (ulysses 2), 61.3 GB per device (of 95.7 GB)"]
+    assert lines == ["all_gather needs 97.20 GB of 95.70 GB per device; trying ulysses",
+                     "ulysses needs 96.00 GB of 95.70 GB per device; trying usp (ulysses 2)",
+                     "compiled train step: usp (ulysses 2), 61.30 GB per device (of 95.70 GB)"]
 
 
 def test_when_none_fits_the_failure_names_the_smallest_need():
@@ -122,7 +122,7 @@ def test_when_none_fits_the_failure_names_the_smallest_need():
     assert found == needs
     message, code = explain(DoesNotFit(out_of_device_memory(none_fits(found, 95_700_000_000))))
     assert code == 1
-    assert message.startswith("out of device memory: usp (ulysses 2) needs 98.0 GB of 95.7 GB "
+    assert message.startswith("out of device memory: usp (ulysses 2) needs 98.00 GB of 95.70 GB "
                               "per device (the least of all_gather, ring, usp (ulysses 2))")
 
 

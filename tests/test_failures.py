@@ -35,7 +35,7 @@ def test_out_of_memory_is_one_line_with_the_figure_and_the_planner(tmp_path, mon
     assert result.exit_code == 1, result.output
     error = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert error == [line for line in result.output.splitlines()[-1:]]  # the last line only
-    assert "out of device memory: a device could not allocate 16,384.00 GiB" in error[0]
+    assert "out of device memory: a device could not allocate 17,592.19 GB" in error[0]
     assert "lctrain plan" in error[0] and "Traceback" not in result.output
 
 
@@ -60,7 +60,7 @@ def test_compiler_out_of_memory_gives_needed_and_available_hbm():
     err = type("JaxRuntimeError", (RuntimeError,), {})(
         "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
         "space hbm. Used 97.24G of 95.74G hbm. Exceeded hbm capacity by 1.50G.")
-    assert "needs 97.24G per device of 95.74G hbm" in out_of_memory_message(err)
+    assert "needs 104.41 GB per device of 102.80 GB hbm" in out_of_memory_message(err)
     assert explain(err)[1] == 1
     assert explain(MemoryError())[0].startswith("out of host memory")
     assert explain(PermissionError(13, "Permission denied", "/runs/x")) == (

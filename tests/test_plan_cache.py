@@ -128,8 +128,8 @@ def test_workers_are_capped_by_cores_and_memory(monkeypatch):
                     reason="TPU AOT compiles need libtpu (the tpu extra)")
 def test_processes_give_the_serial_figures(monkeypatch, tmp_path):
     """A tiny recipe on v5p:2x2x1: two worker processes compile two of the plan's
-    strategies and give the figures of the serial path; neither compiles in this
-    process."""
+    strategies and give the figures of compiling them here, in this process (without
+    make_devices)."""
     from lctrain.parallel import aot
 
     recipe = load_recipe(None, [*BASE, "model.layers=1", "model.dtype=bfloat16",
@@ -146,13 +146,72 @@ def test_processes_give_the_serial_figures(monkeypatch, tmp_path):
         result = planner.plan(recipe, V5P, sizes, "tpu")
         result.plans = result.plans[:2]
         console = Console(file=io.StringIO(), width=200)
+        rebuild = functools.partial(aot.topology_devices, "v5p:2x2x1") if workers > 1 else None
         planner.attach_compiled(result, recipe, devices, functools.partial(timed, console),
-                                make_devices=functools.partial(aot.topology_devices,
-                                                               "v5p:2x2x1"),
-                                workers=workers)
+                                make_devices=rebuild, workers=workers)
         runs[workers] = ([p.compiled for p in result.plans], console.file.getvalue())
-    assert len(here) == len(result.plans)              # the serial run only
+    assert len(here) == len(result.plans)              # the in-process run only
     assert runs[2][0] == runs[1][0]
     assert all(figures["hbm_bytes"] > 0 for figures in runs[2][0])
     for p in result.plans:
         assert f"compiled {p.name}, seq 1,024, for 4 devices: " in runs[2][1]
+
+
+def aborting_devices():
+    """What libtpu does on a failed CHECK: a fatal line on file descriptor 2, then abort."""
+    import os
+
+    os.write(2, b"I1205 08:32:34.100000    5883 some_pass.cc:10] compiling\n"
+                b"F1205 08:32:34.630836    5883 rotated_pincer_fusion_emitter.cc:1904] Check "
+                b"failed: s_count.has_value() \n*** Check failure stack trace: ***\n")
+    os.abort()
+
+
+def test_a_compile_the_compiler_aborts_is_that_strategys_row(monkeypatch, tmp_path):
+    """libtpu kills the process it compiles in: the compile runs in a process of its own,
+    so the plan goes on, and the row says what the compiler said."""
+    monkeypatch.setenv("LCTRAIN_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(None, BASE)
+    result = planner.plan(recipe, V5P, check_against_devices(recipe, 4), "tpu")
+    console = Console(file=io.StringIO(), width=200)
+    aborted = result.plans[0]
+    figures = compiled.compile_in_processes({"compiled x": recipe}, aborting_devices, 1,
+                                            functools.partial(timed, console))["compiled x"]
+    assert figures == {"hbm_bytes": None, "host_bytes": None, "collective_bytes": None,
+                       "error": "compiler aborted: Check failed: s_count.has_value() "
+                                "(rotated_pincer_fusion_emitter.cc:1904)"}
+    assert "compiled x: aborted" in console.file.getvalue()
+    for p in result.plans:
+        p.compiled = {"hbm_bytes": 2**30, "host_bytes": 0, "collective_bytes": {}}
+    aborted.compiled = figures
+    choice, reason = planner.recommend(result.plans)
+    assert choice is not aborted and aborted.compile_failed and not aborted.deciding_fits
+    assert f"the compiler failed on {aborted.name}" in reason and "would not fit" not in reason
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="TPU AOT compiles need libtpu (the tpu extra)")
+def test_plan_compile_survives_a_compiler_failure_on_one_strategy(tmp_path):
+    """The README's Failures case: all_gather's dK/dV reduce-scatter at 3,072 tokens per
+    chip, which libtpu 0.0.42.1 aborts on (Check failed: s_count.has_value()) and 0.0.50.1
+    refuses (UNIMPLEMENTED: No feasible span count ...). The other strategies' figures
+    still print, rc 0."""
+    import json
+    import subprocess
+    import sys
+
+    sets = ["model.layers=3", "model.d_model=384", "model.n_heads=6", "model.n_kv_heads=2",
+            "model.d_ff=1024", "data.seq_len=12288", "data.batch_size=2", "mesh.context=4",
+            "mesh.data=1"]
+    command = [sys.executable, "-m", "lctrain.cli.main", "plan", "tiny", "--topology",
+               "v5p:2x2x1", "--compile", "--json", *(a for s in sets for a in ("--set", s))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "LCTRAIN_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {row["strategy"]: row for row in json.loads(done.stdout)["strategies"]}
+    failed = rows.pop("all_gather")
+    assert failed["compile_error"].startswith(("compiler aborted: Check failed: s_count",
+                                               "compiler failed: UNIMPLEMENTED: No feasible"))
+    assert failed["compiled_hbm_bytes_per_device"] is None
+    assert rows and all(row["compiled_hbm_bytes_per_device"] > 0 for row in rows.values())

@@ -45,10 +45,10 @@ def out_of_memory_message(err: BaseException) -> str:
                 "on more hosts")
     text = str(err)
     if used := _COMPILER_OOM.search(text):
-        figure = (f"the program needs {used.group(1)} per device of {used.group(2)} "
-                  f"{used.group(3)}")
+        figure = (f"the program needs {_in_gb(used.group(1))} per device of "
+                  f"{_in_gb(used.group(2))} {used.group(3)}")
     elif wanted := _ALLOCATOR_OOM.search(text):
-        figure = f"a device could not allocate {_readable(wanted.group(1))}"
+        figure = f"a device could not allocate {_in_gb(wanted.group(1))}"
     else:
         figure = text.strip().splitlines()[0][:200]
     return out_of_device_memory(figure)
@@ -62,10 +62,15 @@ def out_of_device_memory(figure: str) -> str:
             f"(remat.policy=custom, remat.tensors={{decoder_layer_input: offload}})")
 
 
-def _readable(amount: str) -> str:
+def _in_gb(amount: str) -> str:
+    """XLA's amount ("97.24G", binary units like all its messages, or "4096 bytes") in
+    decimal GB, the one unit lctrain shows memory in."""
     if amount.endswith(" bytes"):
-        return f"{int(amount.split()[0]) / 2**30:,.2f} GiB"
-    return amount
+        nbytes = float(amount.split()[0])
+    else:
+        number, unit = re.fullmatch(r"([\d.]+)\s?([KMGT]?)i?B?", amount).groups()
+        nbytes = float(number) * 1024 ** (" KMGT".index(unit or " "))
+    return f"{nbytes / 1e9:,.2f} GB"
 
 
 def explain(err: BaseException) -> tuple[str, int] | None:

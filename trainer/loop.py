@@ -18,8 +18,9 @@ from rich.console import Console
 from lctrain.parallel import (LayerStrategies, build_mesh, describe_devices, make_strategy,
                               strategy_classes)
 from lctrain.parallel.aot import abstract_batch, memory_stats
-from lctrain.parallel.auto import (CompiledNeed, first_that_fits, none_fits, refused_need,
-                                   resolve_auto, strategy_name)
+from lctrain.parallel.auto import (COMPILER_FAILED, CompiledNeed, compiler_failure,
+                                   first_that_fits, none_fits, refused_need, resolve_auto,
+                                   shortfall, strategy_name)
 from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.parallel.mesh import slice_count
 from lctrain.recipes import Recipe, RecipeError, check_against_devices
@@ -127,7 +128,12 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
         try:
             run = build_run(recipe, devices, console)
         except Exception as err:  # XLA's TPU compiler refuses a program over HBM
-            if not is_out_of_memory(err) or memory_limit is None:
+            if not is_out_of_memory(err):
+                failed = compiler_failure(name, err)
+                if failed is None:
+                    raise
+                return None, failed
+            if memory_limit is None:
                 raise
             return None, refused_need(name, str(err))
         need = compiled_need(name, run.train_step)
@@ -138,6 +144,9 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
     found = first_that_fits(candidates, compile_candidate, memory_limit, report.append)
     if isinstance(found, list):
         _print_lines(console, report)
+        if all(need.refused.startswith(COMPILER_FAILED) for need in found):
+            raise RunFailure(f"{shortfall(found[0], None)} (README, Failures); name another "
+                             f"parallel.strategy, or another data.seq_len")
         raise DoesNotFit(out_of_device_memory(none_fits(found, memory_limit)))
     return found[0]._replace(report=tuple(report))
 

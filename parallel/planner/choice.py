@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lctrain.parallel import STRATEGIES
-from lctrain.parallel.chips import Chip
+from lctrain.parallel.chips import Chip, gigabytes
 from lctrain.parallel.cost_model import NotOnThisMesh
 from lctrain.parallel.planner.accuracy import estimate_note
 from lctrain.parallel.planner.estimate import estimate, recipe_for_strategy
@@ -33,27 +33,28 @@ def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
     least HBM."""
     if not plans:
         return None, "no strategy applies"
-    gib = 2**30
     source = "compiled" if any(p.compiled for p in plans) else "estimated"
     fitting = [p for p in plans if p.deciding_fits]
     if not fitting:
-        best = min(plans, key=lambda p: p.deciding_hbm_bytes)
-        return best, (f"none fits in {best.hbm_capacity / gib:.0f} GiB; {best.name} needs "
-                      f"the least ({best.deciding_hbm_bytes / gib:.2f} GiB per device, "
-                      f"{source})")
+        best = min(plans, key=lambda p: (p.compile_failed, p.deciding_hbm_bytes))
+        return best, (f"none fits in {gigabytes(best.hbm_capacity)}; {best.name} needs the "
+                      f"least ({gigabytes(best.deciding_hbm_bytes)} per device, {source})")
     fastest = min(p.step_s for p in fitting)
     near = [p for p in fitting if p.step_s <= TIE * fastest]
     best = min(near, key=lambda p: STRATEGIES[p.strategy].simplicity)
     bound = "communication" if best.comm_s > best.compute_s else "compute"
-    others = [p.name for p in plans if not p.deciding_fits]
     speed = "fastest" if best.step_s == fastest else "near-fastest"
-    reason = (f"fits ({best.deciding_hbm_bytes / gib:.2f} of {best.hbm_capacity / gib:.0f} "
-              f"GiB per device, {source}) with the {speed} estimated step ({bound}-bound, "
+    reason = (f"fits ({gigabytes(best.deciding_hbm_bytes)} of {gigabytes(best.hbm_capacity)} "
+              f"per device, {source}) with the {speed} estimated step ({bound}-bound, "
               f"MFU <= {best.mfu_bound:.0%})")
     if len(near) > 1:
         reason += f"; simplest of {', '.join(p.name for p in near)} (within {TIE - 1:.1%})"
-    if others:
-        reason += f"; {', '.join(others)} would not fit"
+    too_big = [p.name for p in plans if not p.deciding_fits and not p.compile_failed]
+    if too_big:
+        reason += f"; {', '.join(too_big)} would not fit"
+    failed = [p.name for p in plans if p.compile_failed]
+    if failed:
+        reason += f"; the compiler failed on {', '.join(failed)}"
     return best, reason
 
 

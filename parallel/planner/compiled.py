@@ -16,8 +16,11 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import re
+import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -25,7 +28,7 @@ from typing import Callable, ContextManager
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.planner.choice import recommend
 from lctrain.parallel.planner.estimate import recipe_for_plan
-from lctrain.parallel.planner.results import Plan
+from lctrain.parallel.planner.results import ABORTED, COMPILER_FAILED, Plan, is_xla_error
 from lctrain.recipes.schema import Recipe
 
 # What the compiling functions wrap each compile in, given its label (the CLI shows a
@@ -41,6 +44,9 @@ COMPILE_HOST_BYTES = 8 * 2**30
 _COMPILED_PACKAGES = ("lctrain.trainer", "lctrain.parallel", "lctrain.kernels",
                       "lctrain.recipes")
 
+# A fatal log line of libtpu (absl): severity F, date, time, thread, file:line], message.
+_FATAL_LINE = re.compile(r"^F\d{4} [\d:.]+\s+\d+ ([\w./-]+:\d+)\] ")
+
 # What the cache key reads of each device (a multi-slice device also has a slice_index).
 _DEVICE_FIELDS = ("platform", "device_kind", "coords", "core_on_chip", "slice_index")
 
@@ -48,17 +54,19 @@ _DEVICE_FIELDS = ("platform", "device_kind", "coords", "core_on_chip", "slice_in
 def compile_figures(recipe: Recipe, devices) -> dict:
     """XLA's own per-device figures for the recipe's train step on `devices` (a TPU
     topology from parallel.aot.topology_devices): {"hbm_bytes", "host_bytes",
-    "collective_bytes"}, or {"hbm_bytes": None, "error": ...} when XLA refuses the program
-    because its temporaries exceed the chip's HBM (it does not fit)."""
+    "collective_bytes"}, or {"hbm_bytes": None, "error": ...} when XLA refuses the program:
+    because its temporaries exceed the chip's HBM (it does not fit), or with an error of
+    its own (e.g. UNIMPLEMENTED for a collective it cannot emit: "compiler failed: ...")."""
     from lctrain.parallel import aot
     try:
         stats = aot.compiled_stats(aot.compile_train_step(recipe, devices))
-    except Exception as err:                      # XLA's RESOURCE_EXHAUSTED, as JaxRuntimeError
-        text = str(err)
-        if "RESOURCE_EXHAUSTED" not in text:
+    except Exception as err:                      # XLA's errors come as JaxRuntimeError
+        if not is_xla_error(err):
             raise
+        first_line = str(err).splitlines()[0][:300]
         return {"hbm_bytes": None, "host_bytes": None, "collective_bytes": None,
-                "error": text.splitlines()[0][:300]}
+                "error": (first_line if "RESOURCE_EXHAUSTED" in first_line
+                          else f"{COMPILER_FAILED}: {first_line}")}
     return {"hbm_bytes": stats.hbm_bytes,
             "host_bytes": stats.host_temp_bytes + stats.host_argument_bytes,
             "collective_bytes": dict(stats.collective_bytes),
@@ -163,32 +171,71 @@ def compile_workers(jobs: int) -> int:
     return max(1, min(jobs, os.cpu_count() or 1, available // COMPILE_HOST_BYTES))
 
 
-def _compile_in_worker(make_devices: Callable[[], list], recipe: Recipe) -> tuple[dict, float]:
-    """Runs in a fresh process: the devices are rebuilt there (they do not pickle)."""
+def _compile_in_worker(make_devices: Callable[[], list], recipe: Recipe,
+                       stderr_path: str) -> tuple[dict, float]:
+    """Runs in a fresh process: the devices are rebuilt there (they do not pickle). Its
+    native stderr goes to `stderr_path`, where the parent finds the compiler's last words
+    if libtpu aborts the process."""
+    with open(stderr_path, "wb") as log:
+        os.dup2(log.fileno(), 2)
     devices = make_devices()
     start = time.perf_counter()
     return compile_figures(recipe, devices), time.perf_counter() - start
 
 
+def aborted_figures(stderr: str) -> dict:
+    """The figures of a compile whose process died: no memory figures, and the compiler's
+    own reason (libtpu's first fatal line, e.g. "Check failed: ...") as the error."""
+    fatal = next(filter(None, map(_FATAL_LINE.match, stderr.splitlines())), None)
+    if fatal:
+        reason = f"{fatal.string[fatal.end():].strip()} ({fatal.group(1)})"
+    else:
+        lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+        reason = lines[-1][:200] if lines else "the compiling process died without a word"
+    return {"hbm_bytes": None, "host_bytes": None, "collective_bytes": None,
+            "error": f"{ABORTED}: {reason}"}
+
+
+def _one_compile(make_devices: Callable[[], list], recipe: Recipe, folder: str,
+                 label: str) -> tuple[ProcessPoolExecutor, Future, str]:
+    """A process of its own for one compile, so that libtpu aborting it (a failed CHECK
+    kills the whole process) costs that compile alone."""
+    context = multiprocessing.get_context("spawn")  # a forked jax runtime is not safe
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=context)
+    stderr_path = os.path.join(folder, hashlib.sha256(label.encode()).hexdigest()[:16])
+    return pool, pool.submit(_compile_in_worker, make_devices, recipe, stderr_path), stderr_path
+
+
+def _outcome(future: Future, stderr_path: str) -> tuple[dict, float | None]:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        return aborted_figures(Path(stderr_path).read_text(errors="replace")), None
+
+
 def compile_in_processes(jobs: dict[str, Recipe], make_devices: Callable[[], list],
                          workers: int, timed: Timer) -> dict[str, dict]:
-    """{label: figures} for {label: recipe}, compiled in `workers` spawned processes; each
-    compile is reported as it finishes, with its own compile time."""
-    context = multiprocessing.get_context("spawn")  # a forked jax runtime is not safe
+    """{label: figures} for {label: recipe}, each compiled in a spawned process of its
+    own, `workers` at a time; each compile is reported as it finishes, with its own
+    compile time. A compile whose process the compiler aborts gets aborted_figures."""
     results = {}
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        pending: dict[Future, str] = {
-            pool.submit(_compile_in_worker, make_devices, recipe): label
-            for label, recipe in jobs.items()}
-        while pending:
-            waiting = ", ".join(label.removeprefix("compiled ").split(",")[0]
-                                for label in pending.values())
-            with timed(f"compiling {waiting} ({workers} processes)") as timing:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+    waiting = list(jobs.items())
+    running: dict[Future, tuple[str, ProcessPoolExecutor, str]] = {}
+    with tempfile.TemporaryDirectory(prefix="lctrain-compile-") as folder:
+        while waiting or running:
+            while waiting and len(running) < workers:
+                label, recipe = waiting.pop(0)
+                pool, future, stderr_path = _one_compile(make_devices, recipe, folder, label)
+                running[future] = (label, pool, stderr_path)
+            names = ", ".join(label.removeprefix("compiled ").split(",")[0]
+                              for label, _, _ in running.values())
+            with timed(f"compiling {names} ({len(running)} processes)") as timing:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
                 finished = next(iter(done))
-                label = pending.pop(finished)
-                results[label], seconds = finished.result()
-                _finish(timing, label, f"{seconds:.1f} s")
+                label, pool, stderr_path = running.pop(finished)
+                results[label], seconds = _outcome(finished, stderr_path)
+                pool.shutdown()
+                _finish(timing, label, "aborted" if seconds is None else f"{seconds:.1f} s")
     return results
 
 
@@ -211,7 +258,8 @@ def attach_compiled(result: Plan, recipe: Recipe, devices,
     missing = [label for label in labels if read_cached(keys[label]) is None]
     workers = compile_workers(len(missing)) if workers is None else min(workers, len(missing))
     fresh = {}
-    if make_devices is not None and workers > 1:
+    if make_devices is not None:  # in processes of their own even one at a time: see
+        # _one_compile
         fresh = compile_in_processes({label: variants[label] for label in missing},
                                      make_devices, workers, timed)
         for label, figures in fresh.items():

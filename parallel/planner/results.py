@@ -10,6 +10,15 @@ from lctrain.parallel.chips import Chip
 # Share of device HBM a plan may use; the rest is left for XLA's own reserve, fragmentation
 # and the estimate's error (the accuracy grid's worst case, see tests/test_planner.py).
 HBM_HEADROOM = 0.90
+# How a compile whose process libtpu killed is recorded (compiled.aborted_figures), and one
+# that XLA refused for a reason other than memory (compiled.compile_figures).
+ABORTED = "compiler aborted"
+COMPILER_FAILED = "compiler failed"
+
+
+def is_xla_error(err: BaseException) -> bool:
+    """An error XLA raised (jax names its class differently across versions)."""
+    return type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
 
 
 @dataclasses.dataclass
@@ -76,6 +85,13 @@ class StrategyPlan:
         """The estimate fits in HBM_HEADROOM of the chip's HBM and in its host memory."""
         return (self.hbm_bytes <= HBM_HEADROOM * self.hbm_capacity
                 and self.host_bytes <= self.host_capacity)
+
+    @property
+    def compile_failed(self) -> bool:
+        """The compiler died on this strategy, or refused it for a reason other than its
+        memory: no figures, and not a candidate."""
+        return ((self.compiled or {}).get("error") or "").startswith((ABORTED,
+                                                                       COMPILER_FAILED))
 
     @property
     def deciding_hbm_bytes(self) -> float:
