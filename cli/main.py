@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from lctrain.recipes import RecipeError, load_recipe
+from lctrain.recipes import RecipeError, load_recipe, named_strategy
 
 from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt,
                      console, default_run_dir, error_console, fail, start, wide_console)
@@ -97,8 +97,12 @@ def plan(
 
     try:
         # The plan weighs every strategy, so the recipe's own choice must not rule out a
-        # context axis (strategy 'none' would); an explicit --set still wins.
-        loaded = load_recipe(recipe, ["parallel.strategy=auto", *set_])
+        # context axis (strategy 'none' would): the recipe's strategy is shown first
+        # instead. A map of layer kinds given with --set stays (it may fix some kinds).
+        own = named_strategy(recipe, set_)
+        weigh_all = ["parallel.strategy=auto"]
+        loaded = load_recipe(recipe, [*weigh_all, *set_,
+                                      *(weigh_all if isinstance(own, str) else [])])
         chip = chips.chip_named(topology).per_device()
     except (RecipeError, ValueError) as err:
         fail(str(err))
@@ -136,8 +140,10 @@ def plan(
     longest = (planner.longest_sequences(result, loaded, platform, devices, compile_timer,
                                          use_cache=not no_cache)
                if max_seq else {})
+    own_line = (planner.against_recipe(result, own)
+                if isinstance(own, str) and own not in ("auto", "none") else None)
     if as_json:
-        out = result.as_json()
+        out = {**result.as_json(), "recipe_strategy": own, "against_recipe": own_line}
         if max_seq:
             out["max_seq_len"] = longest
         typer.echo(json.dumps(out, indent=2))
@@ -147,7 +153,7 @@ def plan(
     wide = wide_console()
     where = topology + (f" x {slices} slices, dcn {loaded.mesh.dcn_sizes()}"
                         if slices > 1 else "")
-    render(result, wide, title=f"{loaded.model.name}, seq {loaded.data.seq_len:,}, "
+    render(result, wide, own_line, title=f"{loaded.model.name}, seq {loaded.data.seq_len:,}, "
                                 f"batch {loaded.data.batch_size}, {where}, "
                                 f"mesh {sizes}, remat {loaded.remat.policy}")
     if max_seq:

@@ -18,8 +18,9 @@ def _seconds(x: float) -> str:
     return f"{x * 1e3:,.1f} ms" if x >= 1e-3 else f"{x * 1e6:,.0f} us"
 
 
-def render(result: Plan, console, title: str = "") -> None:
-    """The plan as a rich table, one row per strategy, then the recommendation."""
+def render(result: Plan, console, own_line: str | None = None, title: str = "") -> None:
+    """The plan as a rich table, one row per strategy (the recipe's own first, where
+    `own_line` compares it with the recommendation), then the recommendation."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -41,7 +42,8 @@ def render(result: Plan, console, title: str = "") -> None:
         for name in ("XLA HBM\nGB/device", "HBM\ngap", "XLA comm\nGB/step", "comm\ngap"):
             table.add_column(name, justify="right", no_wrap=True)
     for p in result.plans:
-        row = [p.name, _gb(p.hbm_bytes), _gb(p.host_bytes), _gb(p.comm_bytes),
+        recipes = own_line is not None and p is result.plans[0]
+        row = [f"{p.name} (recipe)" if recipes else p.name, _gb(p.hbm_bytes), _gb(p.host_bytes), _gb(p.comm_bytes),
                *([_gb(dcn[p.name])] if across_slices else []),
                f"{_seconds(p.comm_s)} / {_seconds(p.compute_s)}", f"{p.mfu_bound:.0%}",
                {None: "-", True: "yes", False: "no"}[p.ring_hidden],
@@ -65,6 +67,8 @@ def render(result: Plan, console, title: str = "") -> None:
     if result.choice is not None:
         console.print(f"recommended: [bold]{result.choice.name}[/] - {escape(result.reason)}",
                       highlight=False, soft_wrap=True)
+    if own_line:
+        console.print(escape(own_line), highlight=False, soft_wrap=True)
     if result.choice is not None and result.choice.kinds:
         console.print(kinds_line(result.choice), highlight=False, soft_wrap=True)
     if result.note and not compiled:

@@ -41,14 +41,27 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()
 
 
 def _load(raw: dict[str, Any], overrides: list[str], reads_data: bool) -> Recipe:
-    for assignment in overrides:
-        key, value = _parse_override(assignment)
-        _set_dotted(raw, key, value)
+    _apply_overrides(raw, overrides)
     _fill_model_keys(raw)
     recipe = build(Recipe, raw, prefix="")
     _derive_model_keys(recipe.model)
     validate(recipe, reads_data)
     return recipe
+
+
+def named_strategy(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Any:
+    """parallel.strategy as the recipe and its overrides name it, before any check: what
+    `lctrain plan` (which weighs every strategy) shows first."""
+    raw = _read_yaml(path)
+    _apply_overrides(raw, overrides)
+    parallel = raw.get("parallel")
+    return parallel.get("strategy", "none") if isinstance(parallel, dict) else "none"
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
+    for assignment in overrides:
+        key, value = _parse_override(assignment)
+        _set_dotted(raw, key, value)
 
 
 def load_run_recipe(run_dir: str | os.PathLike, overrides: list[str] = (), *,

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.parallel import planner
 from lctrain.parallel.auto import choose_strategy
-from lctrain.parallel.chips import CHIPS
+from lctrain.parallel.chips import CHIPS, gigabytes
 from lctrain.recipes import load_recipe
 
 V5P = CHIPS["v5p"]
@@ -281,6 +281,33 @@ def test_plan_json_schema():
         assert 0 < strategy["mfu_upper_bound"] <= 1
     assert out["recommendation"]["strategy"] in names
     assert out["recommendation"]["reason"]
+
+
+@pytest.mark.parametrize("pinned", ["ring", "ulysses"])
+def test_plan_shows_the_recipes_own_strategy_first_and_what_switching_changes(pinned):
+    result = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY],
+                      f"--set=parallel.strategy={pinned}", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    plans = {s["strategy"]: s for s in out["strategies"]}
+    assert out["strategies"][0]["strategy"] == pinned and out["recipe_strategy"] == pinned
+    assert len(plans) == 4  # the others are still weighed
+    best = out["recommendation"]["strategy"]
+    line = out["against_recipe"]
+    if best == pinned:
+        assert line == f"the recipe's {pinned} is the recommendation: keep it"
+    else:
+        memory = plans[best]["hbm_bytes_per_device"] - plans[pinned]["hbm_bytes_per_device"]
+        speed = plans[pinned]["step_time_s"] / plans[best]["step_time_s"] - 1
+        assert line == (f"the recipe runs {pinned}; parallel.strategy={best} would take "
+                        f"{gigabytes(abs(memory))} per device "
+                        f"{'more' if memory > 0 else 'less'}, an estimated step "
+                        f"{abs(speed):.1%} {'faster' if speed >= 0 else 'slower'}")
+    table = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY],
+                     f"--set=parallel.strategy={pinned}")
+    rows = [row for row in table.output.splitlines() if row.startswith("│")]
+    assert rows[0].split("│")[1].strip().startswith(f"{pinned}") and "(recipe)" in rows[0]
+    assert line in " ".join(table.output.split())
 
 
 def test_plan_table_and_max_seq():

@@ -24,7 +24,7 @@ One module per concern, each with its part of the model in its docstring:
 
 from __future__ import annotations
 
-from lctrain.parallel.planner.choice import TIE, candidates, plan, recommend
+from lctrain.parallel.planner.choice import TIE, against_recipe, candidates, plan, recommend
 from lctrain.parallel.planner.compiled import (Timer, attach_compiled, compile_figures,
                                                compiled_fits)
 from lctrain.parallel.planner.estimate import estimate, recipe_for_strategy
@@ -39,7 +39,7 @@ from lctrain.parallel.planner.traffic import KINDS
 
 __all__ = [
     "CALIBRATION", "COMPILED_BISECT_STEPS", "HBM_HEADROOM", "KINDS", "TIE", "Plan",
-    "StrategyPlan", "Timer", "attach_compiled", "candidates", "compile_figures",
+    "StrategyPlan", "Timer", "against_recipe", "attach_compiled", "candidates", "compile_figures",
     "compiled_fits", "count_parameters", "estimate", "gap_percent", "kernel_impl",
     "local_elements", "longest_sequences", "loss_chunks", "max_fitting", "max_seq_len",
     "mlp_chunk_len", "parameter_tensors", "plan", "recipe_for_strategy", "recommend",

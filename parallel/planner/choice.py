@@ -58,6 +58,36 @@ def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
     return best, reason
 
 
+def put_first(result: Plan, strategy: str) -> StrategyPlan | None:
+    """Moves the plan of `strategy` (the recipe's own, where it names one) to the top of
+    the table; returns it (None when it does not run on this mesh)."""
+    own = next((p for p in result.plans if p.strategy == strategy and p.kinds is None), None)
+    if own is not None:
+        result.plans.remove(own)
+        result.plans.insert(0, own)
+    return own
+
+
+def against_recipe(result: Plan, strategy: str) -> str:
+    """One line: whether to keep the recipe's own strategy, and what switching to the
+    recommendation would gain or cost in memory and estimated step time."""
+    own = put_first(result, strategy)
+    if own is None:
+        why = result.skipped.get(strategy, "not a candidate on this mesh")
+        return f"the recipe's {strategy} does not run here ({why}); set parallel.strategy"
+    best = result.choice
+    if best is None or best is own:
+        return f"the recipe's {own.name} is the recommendation: keep it"
+    memory = best.deciding_hbm_bytes - own.deciding_hbm_bytes
+    speed = own.step_s / best.step_s - 1
+    change = (f"{gigabytes(abs(memory))} per device {'more' if memory > 0 else 'less'}, an "
+              f"estimated step {abs(speed):.1%} {'faster' if speed >= 0 else 'slower'}")
+    fits = ("" if own.deciding_fits else
+            f", which does not fit ({gigabytes(own.deciding_hbm_bytes)} per device)")
+    return (f"the recipe runs {own.name}{fits}; parallel.strategy={best.strategy} would take "
+            f"{change}")
+
+
 def candidates(recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu"
                ) -> tuple[list[tuple[str, int]], dict[str, str]]:
     """[(strategy, ulysses degree)] the mesh allows, simplest first, and why the others
