@@ -41,6 +41,10 @@ def start(cpu_devices: int | str, coordinator: Optional[str], num_processes: Opt
     """Sets up the devices (fake CPU ones if asked) and joins a multi-process run; the
     first thing a command does after reading its recipe, since it starts jax."""
     use_fake_cpu_devices(fake_cpu_device_count(cpu_devices))
+    if not os.environ.get("JAX_PLATFORMS") and accelerator_module() is None:
+        # jax would try an installed libtpu first and print a screen of warnings that it
+        # finds no TPU before falling back to the CPU it ends up on anyway.
+        os.environ["JAX_PLATFORMS"] = "cpu"
     from lctrain.trainer.distributed import initialize
 
     initialize(coordinator, num_processes, process_id)

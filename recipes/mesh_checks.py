@@ -30,7 +30,8 @@ def validate_mesh(recipe: Recipe) -> None:
                  f"only used with parallel.strategy=usp (strategy is '{p.strategy}')")
 
 
-def _check_strategy_splits(recipe: Recipe, context: int) -> None:
+def _check_strategy_splits(recipe: Recipe, context: int,
+                           device_count: int | None = None) -> None:
     """Strategy 'none' keeps whole sequences (context 1); every other one but auto splits
     them, so one chip in the context axis would make it a silent no-op."""
     for key, strategy in recipe.parallel.keyed_names():
@@ -39,8 +40,11 @@ def _check_strategy_splits(recipe: Recipe, context: int) -> None:
                      f"{key} 'none' needs mesh.context = 1; pick a context-parallel "
                      f"strategy (all_gather, ulysses, ring, usp, auto)")
         elif strategy != "auto":
+            seen = ("" if device_count is None else
+                    f" (jax sees {device_count} device{'s' if device_count > 1 else ''}; on "
+                    f"a machine without accelerators runtime.cpu_devices: 8 fakes eight)")
             require(context > 1, key, strategy,
-                     f"splits the sequence over mesh.context, which is {context}; set "
+                     f"splits the sequence over mesh.context, which is {context}{seen}; set "
                      f"mesh.context >= 2, or {key}=none")
 
 
@@ -107,7 +111,7 @@ def check_against_devices(recipe: Recipe, device_count: int,
              d.batch_size, f"must be divisible by mesh.data * mesh.fsdp * "
                            f"train.grad_accum_steps = {batch_shards * t.grad_accum_steps}")
     context = sizes["context"]
-    _check_strategy_splits(recipe, context)
+    _check_strategy_splits(recipe, context, device_count)
     chunks = stored_chunks(recipe, context)
     for key, seq_len in (("data.seq_len", d.seq_len), ("eval.seq_len", recipe.eval.seq_len)):
         require(seq_len is None or seq_len % chunks == 0, key, seq_len,

@@ -122,6 +122,24 @@ def test_topology_setup_keeps_libtpu_warnings_off_the_terminal():
     assert [noise for noise in LIBTPU_NOISE if noise in done.stderr] == []
 
 
+def test_a_context_recipe_on_one_cpu_device_says_what_jax_sees_in_one_quiet_line(tmp_path):
+    """The extension recipe copied onto a CPU machine: no runtime section, so jax's one CPU
+    device, and ring over it. One line, naming the device count and the fix, and none of
+    libtpu's start-up warnings (a plain `import jax` with libtpu installed prints them)."""
+    recipe = tmp_path / "extend.yaml"
+    recipe.write_text("mesh: {data: 1, context: -1}\nparallel: {strategy: ring}\n")
+    env = {name: value for name, value in os.environ.items() if name != "JAX_PLATFORMS"}
+    done = subprocess.run([sys.executable, "-m", "lctrain.cli.main", "run", str(recipe),
+                           "--run-dir", str(tmp_path / "run")], capture_output=True,
+                          text=True, env={**env, "XLA_FLAGS": ""}, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: recipe key 'parallel.strategy' = 'ring': splits the sequence over "
+        "mesh.context, which is 1 (jax sees 1 device; on a machine without accelerators "
+        "runtime.cpu_devices: 8 fakes eight); set mesh.context >= 2, or "
+        "parallel.strategy=none"]
+
+
 def test_native_stderr_is_shown_only_when_the_block_fails(capfd):
     from lctrain.parallel.native_stderr import shown_only_on_failure
 
