@@ -113,8 +113,27 @@ def _send_to_next(x, axis_name):
     return jax.lax.ppermute(x, axis_name, perm=[(i, (i + 1) % size) for i in range(size)])
 
 
-def _send_all(xs, axis_name):
-    return tuple(_send_to_next(x, axis_name) for x in xs)
+def _send_all(xs, axis_name, in_order: bool):
+    """Each of `xs` to the next chip. With `in_order` each send starts once the one before
+    it has arrived (see sends_in_order)."""
+    sent = []
+    for x in xs:
+        if in_order and sent:
+            x, _ = jax.lax.optimization_barrier((x, sent[-1]))
+        sent.append(_send_to_next(x, axis_name))
+    return tuple(sent)
+
+
+def sends_in_order(options: dict) -> bool:
+    """Whether a step's sends must run one after another: on XLA:CPU. jax lowers every
+    collective of a shard_map with one channel id (1), and XLA:CPU's in-process
+    communicator meets the devices of a collective-permute by that id, while its thunk
+    executor runs independent permutes of one device concurrently; a device's K send can
+    then meet another device's V send. Seen as losses that differ by ~2e-4 between runs of
+    the same step (jax 0.10) and as a permute that never completes (jax 0.12: "Expected 3
+    threads to join the rendezvous, but only 2 of them arrived"; tests/test_ring.py).
+    On TPU and GPU each permute keeps its own channel and the sends overlap."""
+    return options.get("platform", jax.default_backend()) == "cpu"
 
 
 def _may_attend(q_positions, kv_positions, window):
@@ -181,9 +200,11 @@ def _forward(q, k, v, positions, segment_ids, axis_name, kernel_options, given_l
     def skip(out, lse, *_):
         return out, lse
 
+    in_order = sends_in_order(options)
+
     def step(out, lse, kv, send):
         out, lse, kv = _tied((out, lse, kv))
-        next_kv = _send_all(kv, axis_name) if send else None
+        next_kv = _send_all(kv, axis_name, in_order) if send else None
         # The skipped branch hands the running result through: a branch that made a
         # constant block (zeros, -inf) would be hoisted out of the layer loop by XLA, one
         # q-sized buffer per ring step kept for the whole step.
@@ -235,12 +256,17 @@ def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
     def skip(dq, k, v, ids, arrived):
         return dq, arrived or tuple(jnp.zeros(k.shape, jnp.float32) for _ in range(2))
 
+    in_order = sends_in_order(options)
+
     def step(dq, kv, partial, send_kv):
         """Returns dq, the next K/V chunk and this block's dK/dV (f32) plus the sum that
         arrived for them; `partial` is the sum to pass on, None when none."""
         dq, kv, partial = _tied((dq, kv, partial))
-        next_kv = _send_all(kv, axis_name) if send_kv else None
-        arrived = _sent_on(partial, axis_name)
+        wire = _on_the_wire(partial)
+        outgoing = (kv if send_kv else ()) + wire
+        sent = _send_all(outgoing, axis_name, in_order)
+        next_kv = sent[:len(kv)] if send_kv else None
+        arrived = tuple(x.astype(jnp.float32) for x in sent[len(outgoing) - len(wire):]) or None
         dq, summed = jax.lax.cond(_may_attend(positions, kv[2][0], options.get("window")),
                                   attend, skip, dq, *kv, arrived)
         return _tied((dq, next_kv, summed))
@@ -253,9 +279,11 @@ def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
     # constant until that is understood.
     dq = jnp.zeros(q.shape, jnp.float32)
     own = _chunk(k, v, positions, segment_ids)
+    if in_order:  # under remat the forward's sends are recomputed beside these
+        own, _ = jax.lax.optimization_barrier((own, (out, lse)))
     partial = None
     if size > 1:
-        dq, partial = _others_steps(step, dq, _send_all(own, axis_name), size)
+        dq, partial = _others_steps(step, dq, _send_all(own, axis_name, in_order), size)
     # The chip's own chunk last: the sum of the others' shares has come home by then and
     # takes this chip's share in place, so no f32 dK/dV pair waits through the steps.
     dq, _, dkv = step(dq, own, partial, send_kv=False)
@@ -280,13 +308,10 @@ def _others_steps(step, dq, kv, size):
     return dq, partial
 
 
-def _sent_on(partial, axis_name):
-    """A dK/dV sum (a pair) sent to the next chip (in DKV_TRANSPORT_DTYPE), arriving in
-    f32; None stays None."""
-    if partial is None:
-        return None
-    return tuple(_send_to_next(x.astype(DKV_TRANSPORT_DTYPE), axis_name).astype(jnp.float32)
-                 for x in partial)
+def _on_the_wire(partial) -> tuple:
+    """A dK/dV sum (a pair) as it is sent to the next chip, in DKV_TRANSPORT_DTYPE; ()
+    for none."""
+    return () if partial is None else tuple(x.astype(DKV_TRANSPORT_DTYPE) for x in partial)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
