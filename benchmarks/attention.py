@@ -159,7 +159,7 @@ def print_relayouts(topology: str) -> None:
     print(f"{'strategy':<12}{'kernel':<8}{'calls':>6}{'relayouts':>11}")
     for strategy in ("all_gather", "ulysses", "ring", "usp"):
         for impl, kernel_names in names.items():
-            recipe = load_recipe(None, [
+            recipe = load_recipe("tiny", [
                 "model.layers=2", "model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=2",
                 "model.d_ff=2048", "model.vocab=1024", "model.dtype=bfloat16",
                 f"attention.impl={impl}", f"parallel.strategy={strategy}", "mesh.data=1",

@@ -99,7 +99,7 @@ def main() -> None:
     from lctrain.trainer.loop import mesh_for
     from lctrain.trainer.step import build_trainable
 
-    recipe = load_recipe(None, [f"model.init=hf:{args.dir}", "mesh.data=1", "mesh.fsdp=8",
+    recipe = load_recipe("tiny", [f"model.init=hf:{args.dir}", "mesh.data=1", "mesh.fsdp=8",
                                 "data.seq_len=256"])
     trainable = build_trainable(recipe, mesh_for(recipe))
     abstract = trainable.abstract_state.params

@@ -60,7 +60,7 @@ def ms_per_step(steps: int, sleep_ms: float, prefetch: bool) -> float:
     from lctrain.recipes import load_recipe
     from lctrain.trainer import loop
 
-    recipe = load_recipe(None, [f"train.steps={steps}", "runtime.log_every=1", "mesh.data=1",
+    recipe = load_recipe("tiny", [f"train.steps={steps}", "runtime.log_every=1", "mesh.data=1",
                                 "runtime.cpu_devices=1", "checkpoint.every=0"])
     real_make, real_prefetcher = loop.make_source, loop.Prefetcher
     loop.make_source = slowed(real_make, sleep_ms / 1e3)

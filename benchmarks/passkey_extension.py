@@ -48,7 +48,7 @@ GRID = ["eval.seq_len=1024", "eval.lengths=7", "eval.depths=11", "data.batch_siz
 def passkey_documents(path: Path, count: int, longest: int, seed: int) -> None:
     """`count` documents of SHORTEST..longest byte tokens, each a passkey sample (needle at
     a random depth of the filler), as one .npy token stream with end-of-document ids."""
-    recipe = load_recipe(None, [f"model.vocab={VOCAB}", f"data.seq_len={longest}",
+    recipe = load_recipe("tiny", [f"model.vocab={VOCAB}", f"data.seq_len={longest}",
                                 "eval.task=passkey"])
     pieces, rng = retrieval.Pieces(recipe), np.random.default_rng(seed)
     documents = []

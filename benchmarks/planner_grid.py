@@ -162,7 +162,7 @@ def recipe_and_mesh(topology: str, overrides: list[str]):
     """The recipe of `overrides` and its resolved mesh axis sizes on `topology`."""
     from lctrain.parallel import chips
     from lctrain.recipes import check_against_devices, load_recipe
-    recipe = load_recipe(None, overrides)
+    recipe = load_recipe("tiny", overrides)
     return recipe, check_against_devices(recipe, chips.topology_device_count(topology))
 
 

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     sets = [f"model.preset={args.preset}", "model.dtype=bfloat16", "attention.impl=pallas",
             f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch_size}",
             *(f"mesh.{axis}" for axis in args.mesh), *args.sets]
-    recipe = load_recipe(None, sets)
+    recipe = load_recipe("tiny", sets)
     saved = layer_input_bytes(recipe, len(devices))
     print(f"topology {args.topology}: {len(devices)} x {devices[0].device_kind}; "
           f"{' '.join(sets)}; {args.batch_size * args.seq_len // len(devices):,} tokens per chip")
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     for case in args.cases:
         start = time.perf_counter()
         try:
-            compiled = aot.compile_train_step(load_recipe(None, sets + CASES[case]), devices)
+            compiled = aot.compile_train_step(load_recipe("tiny", sets + CASES[case]), devices)
         except RecipeError as err:
             print(f"{case:<17}  skipped: {err}")
             continue

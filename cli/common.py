@@ -10,12 +10,25 @@ from typing import Callable, Optional, TypeVar
 
 import typer
 from rich.console import Console
+from typer.core import TyperOption
+
+from lctrain.recipes.loader import DEFAULT_RECIPE
 from rich.markup import escape
 
 T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Long-context language-model training with context parallelism.")
+
+
+def _value_type(option: TyperOption, ctx) -> str | None:
+    """The type column of --help: nothing for a flag, which takes no value (typer 0.29
+    writes <bool> after every flag, --help's own included)."""
+    return None if option.is_flag else _typer_value_type(option, ctx)
+
+
+_typer_value_type = TyperOption.display_type_rich
+TyperOption.display_type_rich = _value_type
 console = Console()
 error_console = Console(stderr=True)
 
@@ -26,7 +39,8 @@ class DEBUG:
 
 
 # Options several commands share.
-SETS = typer.Option([], "--set", help="Override a recipe key: section.key=value.")
+SETS = typer.Option([], "--set", metavar="KEY=VALUE",
+                    help="Override a recipe key: section.key=value (repeatable).")
 COORDINATOR = typer.Option(
     None, envvar="LCTRAIN_COORDINATOR",
     help="host:port of process 0 for a multi-process run (TPU pods find it themselves).")
@@ -123,5 +137,5 @@ def use_fake_cpu_devices(count: int) -> None:
 
 
 def default_run_dir(recipe_path: Optional[str]) -> Path:
-    name = Path(recipe_path).stem if recipe_path else "tiny"
+    name = Path(recipe_path).stem if recipe_path else DEFAULT_RECIPE
     return Path("runs") / name

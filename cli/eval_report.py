@@ -33,9 +33,10 @@ def render_table(result: dict, console: Console) -> None:
 
 
 def _render_retrieval(retrieval: dict, console: Console) -> None:
-    table = Table(title=f"{retrieval['task']} retrieval: share of {retrieval['samples_per_cell']} "
-                        f"samples whose whole answer is the argmax, by haystack length (rows) "
-                        f"and needle depth (columns, %)", title_justify="left")
+    table = Table(title=f"{retrieval['task']} retrieval: share of the "
+                        f"{_samples(retrieval['samples_per_cell'])} per cell whose whole answer "
+                        f"is the argmax, by haystack length (rows) and needle depth (columns, %)",
+                  title_justify="left")
     table.add_column("length", justify="right")
     for depth in retrieval["depths"]:
         table.add_column(f"{depth * 100:.0f}", justify="right")
@@ -45,16 +46,20 @@ def _render_retrieval(retrieval: dict, console: Console) -> None:
     console.print(f"{retrieval['task']} accuracy over the grid: {retrieval['mean']:.3f}")
 
 
+def _samples(count: int) -> str:
+    return f"{count} sample" + ("" if count == 1 else "s")
+
+
 def write_outputs(result: dict, out_dir: Path) -> list[Path]:
     """eval.json and loss_by_position.png in out_dir; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, plot_path = out_dir / "eval.json", out_dir / "loss_by_position.png"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
-    _plot_by_position(result, plot_path)
+    _save(by_position_figure(result), plot_path)
     written = [json_path, plot_path]
     if "retrieval" in result:
         written.append(out_dir / f"{result['retrieval']['task']}_heatmap.png")
-        _plot_heatmap(result["retrieval"], written[-1])
+        _save(heatmap_figure(result["retrieval"], result["weights"]), written[-1])
     return written
 
 
@@ -67,36 +72,60 @@ def _pyplot():
     return plt
 
 
-def _plot_heatmap(retrieval: dict, path: Path) -> None:
-    """The familiar needle-in-a-haystack picture: depth down, length across, green found."""
+# Cells up to this many get their value written in them (beyond, the text would not fit).
+LABELLED_CELLS = 400
+
+
+def heatmap_figure(retrieval: dict, weights: str):
+    """The familiar needle-in-a-haystack picture: depth down, length across, green found;
+    the title names the weights (run dir and step) and the samples behind each cell."""
     plt = _pyplot()
     accuracy = [list(column) for column in zip(*retrieval["accuracy"])]  # depth x length
-    figure, axis = plt.subplots(figsize=(1.2 + 0.9 * len(retrieval["lengths"]), 5))
+    lengths, depths = retrieval["lengths"], retrieval["depths"]
+    figure, axis = plt.subplots(figsize=(2.2 + 0.9 * len(lengths), 5))
     image = axis.imshow(accuracy, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    axis.set_xticks(range(len(retrieval["lengths"])),
-                    [f"{length:,}" for length in retrieval["lengths"]], rotation=45)
-    axis.set_yticks(range(len(retrieval["depths"])),
-                    [f"{depth:.0%}" for depth in retrieval["depths"]])
+    axis.set_xticks(range(len(lengths)), [f"{length:,}" for length in lengths], rotation=45)
+    axis.set_yticks(range(len(depths)), [f"{depth:.0%}" for depth in depths])
     axis.set_xlabel("haystack length (tokens)")
     axis.set_ylabel("needle depth")
-    axis.set_title(f"{retrieval['task']}: mean {retrieval['mean']:.2f}")
-    figure.colorbar(image, ax=axis, label="retrieved")
+    axis.set_title(f"{retrieval['task']}: mean {retrieval['mean']:.2f}\n{weights}; "
+                   f"{_samples(retrieval['samples_per_cell'])} per cell", fontsize=9)
+    if len(lengths) * len(depths) <= LABELLED_CELLS:
+        for row, values in enumerate(accuracy):
+            for column, value in enumerate(values):
+                # Dark text on the light middle of the colour map, white on its dark ends.
+                axis.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                          color="black" if 0.2 < value < 0.85 else "white")
+    figure.colorbar(image, ax=axis, label="share retrieved")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
-def _plot_by_position(result: dict, path: Path) -> None:
+def by_position_figure(result: dict):
+    """Loss (with log(vocab) and the trained length marked) and accuracy by position."""
     plt = _pyplot()
 
     buckets = result["by_position"]
     kept = [i for i, tokens in enumerate(buckets["tokens"]) if tokens]
     # Each bucket drawn at its first position, counted from 1 for the log axis.
     starts = [buckets["edges"][i] + 1 for i in kept]
+    losses = [buckets["loss"][i] for i in kept]
     figure, (loss_axis, accuracy_axis) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    loss_axis.plot(starts, [buckets["loss"][i] for i in kept], marker="o")
+    loss_axis.plot(starts, losses, marker="o")
     loss_axis.set_ylabel("loss (nats)")
-    loss_axis.set_title(f"{result['weights']}: loss and accuracy by position")
+    loss_axis.set_title(f"{result['weights']}: loss and accuracy by position", fontsize=9)
+    # log(vocab) is a uniform guess: a random model's flat curve sits on it, and the y range
+    # starts at 0 and reaches it so that such a curve is not stretched into a trend.
+    uniform = math.log(result["vocab"])
+    loss_axis.axhline(uniform, color="tab:gray", linestyle=":",
+                      label=f"log(vocab) = {uniform:.2f}, a uniform guess")
+    loss_axis.set_ylim(0, 1.08 * max(uniform, *losses))
+    trained = result.get("trained_seq_len")
+    if trained and trained <= result["seq_len"]:
+        for axis in (loss_axis, accuracy_axis):
+            axis.axvline(trained, color="tab:red", linestyle="--",
+                         label=f"trained length {trained:,}" if axis is loss_axis else None)
+    loss_axis.legend(fontsize=8, loc="lower left")
     accuracy_axis.plot(starts, [buckets["accuracy"][i] for i in kept], marker="o",
                        color="tab:green")
     accuracy_axis.set_ylabel("next-token accuracy")
@@ -106,5 +135,9 @@ def _plot_by_position(result: dict, path: Path) -> None:
     for axis in (loss_axis, accuracy_axis):
         axis.grid(True, which="both", alpha=0.3)
     figure.tight_layout()
+    return figure
+
+
+def _save(figure, path: Path) -> None:
     figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _pyplot().close(figure)

@@ -32,7 +32,7 @@ def main(debug: bool = typer.Option(
 @app.command()
 def run(
     recipe: Optional[str] = typer.Argument(
-        None, help="Recipe YAML file or built-in recipe name (default: the built-in 'tiny')."),
+        None, help="Recipe YAML file or built-in recipe name (default: the built-in 'quickstart')."),
     set_: list[str] = SETS,
     steps: Optional[int] = typer.Option(None, help="Shorthand for --set train.steps=N."),
     run_dir: Optional[Path] = typer.Option(
@@ -68,7 +68,7 @@ def run(
 @app.command()
 def plan(
     recipe: Optional[str] = typer.Argument(
-        None, help="Recipe YAML file or built-in recipe name (default: the built-in 'tiny')."),
+        None, help="Recipe YAML file or built-in recipe name (default: the built-in 'quickstart')."),
     topology: str = typer.Option(
         ..., help="Chips and their shape, e.g. v5p:4x4x4 or tpu7x:2x2x1 (the mesh's -1 axis "
                   "fills the chip count)."),

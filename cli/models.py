@@ -58,7 +58,7 @@ def export(
 def eval_(
     recipe: Optional[str] = typer.Argument(
         None, help="Recipe YAML file or built-in name (default: the run dir's recipe, else "
-                   "the built-in 'tiny')."),
+                   "the built-in 'quickstart')."),
     run_dir: Optional[Path] = typer.Option(
         None, help="Run dir whose checkpoint to evaluate (default: runs/<recipe name>); "
                    "without a checkpoint there, model.init's weights."),

@@ -25,7 +25,7 @@ from .schema import (KIND_ONLY_STRATEGIES, LAYER_KINDS, MODEL_PRESETS, REMAT_TEN
                      ROPE_KEYS, ROPE_SCALING_KEYS, DataConfig, ModelConfig, Recipe,
                      RecipeError, read_rope_scaling_keys, require)
 
-DEFAULT_RECIPE = "tiny"
+DEFAULT_RECIPE = "quickstart"
 
 
 def builtin_recipes() -> list[str]:

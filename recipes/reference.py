@@ -1,11 +1,14 @@
 """The recipe reference (a Markdown table) generated from the schema; the README embeds it
-and a test checks that it is current. Regenerate with `python -m lctrain.recipes.reference`."""
+once, between START and END, and a test checks that it is current. Rewrite it there with
+`python -m lctrain.recipes.reference README.md` (no argument: print it)."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
+from pathlib import Path
 
 from .schema import MODEL_PRESETS, Recipe
 
@@ -75,5 +78,22 @@ def recipe_reference() -> str:
     return "\n".join([START, *rows, END])
 
 
+def embedded_reference(text: str) -> str | None:
+    """The reference block of a document (START to END), None unless it has exactly one."""
+    if text.count(START) != 1 or text.count(END) != 1:
+        return None
+    return text[text.index(START):text.index(END) + len(END)]
+
+
+def rewrite(path: Path) -> None:
+    """Replaces the document's reference block (START to the last END) with the current one."""
+    text = path.read_text()
+    start, end = text.index(START), text.rindex(END) + len(END)
+    path.write_text(text[:start] + recipe_reference() + text[end:])
+
+
 if __name__ == "__main__":
-    print(recipe_reference())
+    if len(sys.argv) > 1:
+        rewrite(Path(sys.argv[1]))
+    else:
+        print(recipe_reference())

@@ -41,7 +41,7 @@ TOPOLOGY, C, S = "v5p:2x2x1", 4, 4096
 MODEL_SETS = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_heads=8",
               "model.n_kv_heads=2", "model.d_ff=384", "model.dtype=bfloat16",
               "attention.impl=xla")  # the figures below are the XLA kernel's
-MODEL = load_recipe(None, list(MODEL_SETS)).model
+MODEL = load_recipe("tiny", list(MODEL_SETS)).model
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = MODEL.layers, MODEL.n_heads, MODEL.n_kv_heads, MODEL.head_dim
 BF16, INT32 = 2, 4
 
@@ -59,7 +59,7 @@ def _compiled(strategy: str, seq_len: int, extra: tuple[str, ...]) -> aot.Compil
                  "mesh.data=1", f"data.seq_len={seq_len}", "data.batch_size=1", *extra]
     if strategy == "usp":
         overrides.append("parallel.ulysses=2")
-    recipe = load_recipe(None, overrides)
+    recipe = load_recipe("tiny", overrides)
     stats = aot.compiled_stats(aot.compile_train_step(recipe, aot.topology_devices(TOPOLOGY)))
     print(f"\n{strategy} s={seq_len}: temp {stats.temp_bytes:,} hbm {stats.hbm_bytes:,} "
           f"collectives {stats.collective_bytes}")
@@ -152,7 +152,7 @@ def temp_bytes_at_fixed_chunk(strategy: str, topology: str) -> int:
     """Temporaries of the step with every chip of `topology` in the context axis, each
     holding CHUNK tokens; MHA (8 KV heads) so that K/V weigh as much as the activations."""
     chips = math.prod(int(n) for n in topology.split(":")[1].split("x"))
-    recipe = load_recipe(None, [*MODEL_SETS, "model.n_kv_heads=8", f"parallel.strategy={strategy}",
+    recipe = load_recipe("tiny", [*MODEL_SETS, "model.n_kv_heads=8", f"parallel.strategy={strategy}",
                                 "mesh.data=1", "mesh.context=-1", "data.batch_size=1",
                                 f"data.seq_len={CHUNK * chips}"])
     stats = aot.compiled_stats(aot.compile_train_step(recipe, aot.topology_devices(topology)))
@@ -235,7 +235,7 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
     if strategy == "usp":
         overrides.append("parallel.ulysses=2")
     devices = aot.topology_devices(topology)
-    text = aot.compile_train_step(load_recipe(None, overrides), devices).as_text()
+    text = aot.compile_train_step(load_recipe("tiny", overrides), devices).as_text()
     mosaic_calls = [line for line in text.splitlines()
                     if 'custom_call_target="tpu_custom_call"' in line]
     for kernel in KERNEL_NAMES[impl]:

@@ -67,7 +67,7 @@ def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compil
     # No limit on CPU: a run compiles its first choice once (not again at the first step)
     # and prints the executable's own figure.
     console = recorded()
-    loop.train(load_recipe(None, SMALL), tmp_path / "first", console, devices)
+    loop.train(load_recipe("tiny", SMALL), tmp_path / "first", console, devices)
     first_need = memory_analysis_bytes(executables[0])
     printed = console.file.getvalue()
     ranking = ["all_gather", "ulysses", "ring"]
@@ -79,7 +79,7 @@ def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compil
     compiles.clear()
     limit = first_need - 1
     console = recorded()
-    recipe = load_recipe(None, SMALL)
+    recipe = load_recipe("tiny", SMALL)
     run = loop.compile_run(recipe, devices, console, memory_limit=limit)
     printed = "\n".join(run.report)
     assert recipe.parallel.strategy == run.strategy.name == ranking[1]
@@ -134,7 +134,7 @@ def test_fallbacks_follow_the_recommendation_on_what_is_left():
     from lctrain.parallel.chips import CHIPS
 
     # With the MLP in chunks each strategy's attention sets its peak.
-    recipe = load_recipe(None, ["model.preset=llama3.1-8b", "data.seq_len=229376",
+    recipe = load_recipe("tiny", ["model.preset=llama3.1-8b", "data.seq_len=229376",
                                 "data.batch_size=1", "mesh.data=1", "mesh.context=4",
                                 "parallel.strategy=auto", "remat.mlp_chunk_tokens=16384"])
     sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}

@@ -11,7 +11,7 @@ from lctrain.trainer.step import build_trainable
 
 
 def test_round_trip_keeps_values_shardings_and_position(tmp_path):
-    recipe = load_recipe(None, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+    recipe = load_recipe("tiny", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
                                 "checkpoint.every=10", "checkpoint.keep=2"])
     mesh = mesh_for(recipe)
     trainable = build_trainable(recipe, mesh)
@@ -40,7 +40,7 @@ def test_round_trip_keeps_values_shardings_and_position(tmp_path):
 
 
 def test_unfinished_save_is_ignored(tmp_path):
-    recipe = load_recipe(None, ["checkpoint.every=1"])
+    recipe = load_recipe("tiny", ["checkpoint.every=1"])
     trainable = build_trainable(recipe, mesh_for(recipe))
     checkpointer = Checkpointer(tmp_path, recipe.checkpoint)
     checkpointer.save(trainable.init(), 1, next_batch=1)

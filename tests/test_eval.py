@@ -1,5 +1,6 @@
 """`lctrain eval`: the loss it prints is transformers' loss on the same batches."""
 
+import io
 import json
 
 import numpy as np
@@ -28,7 +29,7 @@ def test_eval_loss_equals_transformers_on_the_same_batches(tmp_path):
     assert result.exit_code == 0, result.output
     ours = json.loads(result.output.strip().splitlines()[-1])
 
-    recipe = load_recipe(None, sets)
+    recipe = load_recipe("tiny", sets)
     source = make_source(recipe.data, vocab=256, seed=recipe.train.seed, split="eval")
     losses = []
     for index in range(3):
@@ -85,7 +86,7 @@ def test_bucket_sums_equal_a_hand_computation(strategy, mesh):
             "model.n_heads=8", "model.n_kv_heads=2", "model.d_model=64", "attention.block_kv=8",
             "loss.chunk_tokens=16", f"parallel.ulysses={ulysses}",
             *[f"mesh.{axis}={size}" for axis, size in mesh.items()]]
-    recipe = load_recipe(None, sets)
+    recipe = load_recipe("tiny", sets)
     devices = jax.devices()[:1] if strategy == "none" else jax.devices()
     device_mesh = mesh_for(recipe, devices)
     graphdef, state = nnx.split(Transformer(recipe.model, nnx.Rngs(3)))
@@ -141,7 +142,7 @@ def test_pallas_tiles_are_checked_at_eval_seq_len_when_training_evaluates(every)
     from lctrain.recipes import RecipeError
     from lctrain.trainer.loop import mesh_for
 
-    recipe = load_recipe(None, ["parallel.strategy=ring", "mesh.context=4", "mesh.data=1",
+    recipe = load_recipe("tiny", ["parallel.strategy=ring", "mesh.context=4", "mesh.data=1",
                                 "data.batch_size=1", "data.seq_len=8192", "eval.seq_len=8000",
                                 "attention.impl=pallas", "parallel.load_balance=false",
                                 f"eval.every={every}", "eval.holdout=0.0"])
@@ -171,20 +172,20 @@ def test_evaluation_during_training_is_held_out_and_resumes_without_repeats(tmp_
             "eval.every=2", "eval.holdout=0.25", "eval.batches=2", "train.warmup_steps=1",
             "runtime.log_every=1", "checkpoint.every=2"]
     run_dir = tmp_path / "run"
-    train(load_recipe(None, [*sets, "train.steps=4"]), run_dir)
-    train(load_recipe(None, [*sets, "train.steps=6"]), run_dir)
+    train(load_recipe("tiny", [*sets, "train.steps=4"]), run_dir)
+    train(load_recipe("tiny", [*sets, "train.steps=6"]), run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluations = [r for r in records if "eval/loss" in r]
     assert [r["step"] for r in evaluations] == [2, 4, 6]
     assert evaluations[-1]["eval/tokens"] == 2 * 8 * 64
-    final = evaluate(load_recipe(None, [*sets, "train.steps=6"]), run_dir)
+    final = evaluate(load_recipe("tiny", [*sets, "train.steps=6"]), run_dir)
     assert final["weights"].endswith("step 6")
     assert evaluations[-1]["eval/loss"] == pytest.approx(final["loss"], rel=1e-6)
 
 
 def test_held_out_windows_never_reach_training(tmp_path):
     np.save(tmp_path / "tokens.npy", np.arange(16 * 20 + 1, dtype=np.int32) % 100)
-    recipe = load_recipe(None, [f"data.source={tmp_path / 'tokens.npy'}", "data.seq_len=16",
+    recipe = load_recipe("tiny", [f"data.source={tmp_path / 'tokens.npy'}", "data.seq_len=16",
                                 "data.batch_size=4", "eval.holdout=0.2"])
     first_token = lambda source, batches: {int(row[0]) for index in range(batches)
                                            for row in source.batch(index).inputs}
@@ -194,3 +195,59 @@ def test_held_out_windows_never_reach_training(tmp_path):
     assert first_token(held_out, 1) == {0, 80, 60, 40}
     seen = first_token(train, 8)  # two epochs of the 16 training windows
     assert len(seen) == 16 and not seen & {0, 80, 60, 40}
+
+
+# --------------------------------------------------------------------------- pictures ----
+
+def flat_result(trained=256, seq_len=1024):
+    """What `lctrain eval` returns for a random model: loss flat near log(vocab)."""
+    edges = [0, 1, 2, 4, 16, 64, 256, 1024][:8]
+    return {"weights": "checkpoint step 3 of runs/tiny", "seq_len": seq_len, "vocab": 128,
+            "trained_seq_len": trained, "loss": 4.86, "perplexity": 129.0, "accuracy": 0.01,
+            "tokens": 100, "by_position": {"edges": edges, "tokens": [1] * 7,
+                                           "loss": [4.86, 4.85, 4.87, 4.86, 4.85, 4.86, 4.86],
+                                           "accuracy": [0.01] * 7}}
+
+
+def test_by_position_plot_marks_log_vocab_and_the_trained_length():
+    import math
+
+    from lctrain.cli.eval_report import by_position_figure
+
+    figure = by_position_figure(flat_result())
+    loss_axis, accuracy_axis = figure.axes
+    horizontal = [line.get_ydata()[0] for line in loss_axis.lines if line.get_linestyle() == ":"]
+    assert horizontal == [pytest.approx(math.log(128))]
+    # The flat curve keeps its place: the range starts at 0 and reaches log(vocab).
+    bottom, top = loss_axis.get_ylim()
+    assert bottom == 0 and top >= math.log(128)
+    for axis in (loss_axis, accuracy_axis):
+        assert [line.get_xdata()[0] for line in axis.lines if line.get_linestyle() == "--"] == [256]
+    assert "trained length 256" in [text.get_text() for text in loss_axis.get_legend().texts]
+
+
+def test_heatmap_names_the_weights_and_samples_and_writes_each_cell():
+    from lctrain.cli.eval_report import heatmap_figure
+
+    retrieval = {"task": "passkey", "lengths": [128, 256, 512], "depths": [0.0, 0.5, 1.0],
+                 "accuracy": [[1.0, 0.5, 0.0], [1.0, 1.0, 0.25], [0.0, 0.0, 0.0]],
+                 "mean": 0.42, "samples_per_cell": 1}
+    figure = heatmap_figure(retrieval, "checkpoint step 300 of runs/long")
+    axis = figure.axes[0]
+    assert "checkpoint step 300 of runs/long; 1 sample per cell" in axis.get_title()
+    cells = sorted(text.get_text() for text in axis.texts)
+    assert cells == sorted(f"{value:.2f}" for row in retrieval["accuracy"] for value in row)
+
+
+def test_retrieval_table_counts_samples_in_good_grammar():
+    from rich.console import Console
+
+    from lctrain.cli.eval_report import render_table
+
+    result = {**flat_result(), "retrieval": {
+        "task": "passkey", "lengths": [128], "depths": [0.5], "accuracy": [[1.0]],
+        "mean": 1.0, "samples_per_cell": 1}}
+    out = io.StringIO()
+    render_table(result, Console(file=out, width=300))
+    assert "share of the 1 sample per cell" in out.getvalue()
+    assert "1 samples" not in out.getvalue()

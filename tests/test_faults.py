@@ -64,7 +64,7 @@ def test_nonfinite_step_stops_before_saving(tmp_path, monkeypatch):
         return run._replace(train_step=step)
 
     monkeypatch.setattr(loop, "compile_run", poisoned)
-    recipe = load_recipe(None, ["train.steps=10", "train.warmup_steps=1", "checkpoint.every=2",
+    recipe = load_recipe("tiny", ["train.steps=10", "train.warmup_steps=1", "checkpoint.every=2",
                                 "data.seq_len=64"])
     with pytest.raises(loop.NonFiniteLoss, match=r"^step 3: .*latest checkpoint: step 2"):
         loop.train(recipe, tmp_path)
@@ -72,7 +72,7 @@ def test_nonfinite_step_stops_before_saving(tmp_path, monkeypatch):
 
 
 def test_skip_leaves_parameters_and_moments_untouched():
-    recipe = load_recipe(None, ["train.on_nonfinite=skip"])
+    recipe = load_recipe("tiny", ["train.on_nonfinite=skip"])
     optimizer = make_optimizer(recipe.train)
     params = {"w": jnp.ones(3)}
     state = optimizer.init(params)

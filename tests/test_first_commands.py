@@ -70,7 +70,7 @@ def test_plan_table_keeps_brackets_of_the_model_folder():
     from lctrain.parallel import chips, planner
     from lctrain.recipes import load_recipe
 
-    recipe = load_recipe(None, ["mesh.context=4", "mesh.data=1", "parallel.strategy=auto",
+    recipe = load_recipe("tiny", ["mesh.context=4", "mesh.data=1", "parallel.strategy=auto",
                                 "data.batch_size=1"])
     sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
     result = planner.plan(recipe, chips.CHIPS["v5p"], sizes)
@@ -198,7 +198,7 @@ def test_default_attention_is_a_tpu_kernel_on_tpu_and_xla_on_cpu():
     computes every block pair; on CPU the XLA kernel (the others would be interpreted)."""
     from lctrain import kernels
 
-    impl = load_recipe(None).attention.impl
+    impl = load_recipe("tiny").attention.impl
     assert impl == "auto"
     assert kernels.impl_for_call(impl, "tpu", 2048, 8192, 512, 512, 2048) == "splash"
     assert kernels.impl_for_call(impl, "tpu", 2000, 8000, 512, 512, 2000) == "pallas"
@@ -214,3 +214,13 @@ def test_an_interpreted_kernel_on_cpu_is_said_once(tmp_path):
     plain = CliRunner().invoke(app, ["run", "--steps", "1", "--run-dir", str(tmp_path / "x"),
                                      "--set", "data.seq_len=64"])
     assert "interpret mode" not in plain.output
+
+
+@pytest.mark.parametrize("command", ["run", "plan", "eval", "export", "tokenize"])
+def test_help_writes_no_type_after_a_flag(command):
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    flags = [line for line in result.output.splitlines() if "--help" in line or "--json" in line
+             or "--overwrite" in line or "--compile" in line or "--debug" in line]
+    assert flags and all("<bool>" not in line for line in flags), flags
+    assert "<bool>" not in result.output

@@ -128,7 +128,7 @@ def test_custom_vjp_matches_autodiff_of_recurrence(packed):
 def strategy_for(context, load_balance, extra=()):
     sets = ["parallel.strategy=ring", f"parallel.load_balance={load_balance}", "mesh.data=1",
             f"mesh.context={context}", f"data.batch_size={B}", *extra]
-    recipe = load_recipe(None, sets)
+    recipe = load_recipe("tiny", sets)
     strategy = StatePassing(recipe, mesh_for(recipe, jax.devices()[:context]))
     strategy.chunk = 4  # several kernel chunks per run
     return strategy

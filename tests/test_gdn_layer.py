@@ -63,7 +63,7 @@ def copy_weights(ours, theirs):
 
 
 def one_device_mix():
-    recipe = load_recipe(None, [*LINEAR_KEYS, "model.layers=1", f"data.seq_len={SEQ}",
+    recipe = load_recipe("tiny", [*LINEAR_KEYS, "model.layers=1", f"data.seq_len={SEQ}",
                                 "data.batch_size=2", "mesh.data=1",
                                 "model.layer_pattern=[{kind: linear}]"])
     return recipe.model, make_strategy(recipe, mesh_for(recipe, jax.devices()[:1])).attends[
@@ -157,14 +157,14 @@ CONTEXT = ["mesh.context=4", "mesh.data=2", "model.layers=4"]
 def test_bad_linear_keys_name_the_key(overrides, key, words):
     with pytest.raises(RecipeError, match=f"recipe key '{key.replace('[', '.').replace(']', '.')}'"
                                           f" = .*{words}") as err:
-        load_recipe(None, [*CONTEXT, *overrides])
+        load_recipe("tiny", [*CONTEXT, *overrides])
     assert "\n" not in str(err.value)
 
 
 def test_export_refuses_linear_layers_in_one_line():
     from lctrain.trainer.hf_config import check_exportable
 
-    recipe = load_recipe(None, [*CONTEXT, LINEAR_PATTERN, f"parallel.strategy={PER_KIND}"])
+    recipe = load_recipe("tiny", [*CONTEXT, LINEAR_PATTERN, f"parallel.strategy={PER_KIND}"])
     with pytest.raises(RecipeError, match="recipe key 'model.layer_pattern' = "
                                           r"\['linear', 'global'\]: .*no linear") as err:
         check_exportable(recipe.model)

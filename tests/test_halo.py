@@ -33,7 +33,7 @@ def strategy_for(name, context, load_balance, impl="xla", extra=(), seq=SEQ):
     if name == "halo":  # a model of sliding layers (the window of each attend is the test's)
         sets.append("model.layer_pattern=[{kind: sliding, count: 1, window: 8}]")
     sets.extend(extra)
-    recipe = load_recipe(None, sets)
+    recipe = load_recipe("tiny", sets)
     devices = jax.devices()[:context]
     mesh = mesh_for(recipe, devices)
     return STRATEGIES[name](recipe, mesh)

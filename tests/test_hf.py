@@ -37,7 +37,7 @@ def hf_logits_and_loss(model, ids):
 
 
 def recipe_for(folder, *extra):
-    return load_recipe(None, [f"model.init=hf:{folder}", "model.dtype=float32",
+    return load_recipe("tiny", [f"model.init=hf:{folder}", "model.dtype=float32",
                               f"data.seq_len={SEQ}", f"data.batch_size={BATCH}",
                               "attention.block_kv=16", *extra])
 
@@ -141,7 +141,7 @@ def test_hub_and_transformers5_configs_read_alike(tmp_path, llama3_checkpoint):
     config["rope_theta"] = parameters.pop("rope_theta")
     config["rope_scaling"] = parameters
     (tmp_path / "config.json").write_text(json.dumps(config))
-    hub, new = load_recipe(None, [f"model.init=hf:{tmp_path}"]).model, recipe_for(folder).model
+    hub, new = load_recipe("tiny", [f"model.init=hf:{tmp_path}"]).model, recipe_for(folder).model
     assert hub.rope_scaling == new.rope_scaling and hub.rope_theta == new.rope_theta == 5e5
     assert (hub.rope_scaling.type, hub.rope_scaling.factor) == ("llama3", 8.0)
 

@@ -99,7 +99,7 @@ def test_recipe_key_disagreeing_with_config_names_both(tmp_path, good_model):
 def test_rope_keys_may_differ_on_purpose(good_model):
     from lctrain.recipes import load_recipe
 
-    recipe = load_recipe(None, [f"model.init=hf:{good_model}", "model.rope_theta=1e6",
+    recipe = load_recipe("tiny", [f"model.init=hf:{good_model}", "model.rope_theta=1e6",
                                 "model.rope_scaling={type: linear, factor: 4}"])
     assert recipe.model.rope_theta == 1e6 and recipe.model.rope_scaling.type == "linear"
 

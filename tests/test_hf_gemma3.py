@@ -144,7 +144,7 @@ def test_a_run_dir_from_before_these_keys_resumes(tmp_path):
     scale_rope) existed reads as their defaults, so its run resumes."""
     model = ["model.layers=3", "model.layer_pattern=[{kind: sliding, count: 2, window: 8}, "
                                "{kind: global}]"]
-    recipe = load_recipe(None, model)
+    recipe = load_recipe("tiny", model)
     written = recipe.to_dict()
     for key in ("norm_offset", "qk_norm", "post_norms", "mlp_activation", "embedding_scale",
                 "query_pre_attn_scalar"):
@@ -153,7 +153,7 @@ def test_a_run_dir_from_before_these_keys_resumes(tmp_path):
         del group["scale_rope"]
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(written))
     assert check_rerun(recipe, tmp_path) is None
-    changed = load_recipe(None, [*model, "model.qk_norm=true"])
+    changed = load_recipe("tiny", [*model, "model.qk_norm=true"])
     with pytest.raises(RecipeError, match="model.qk_norm False -> True"):
         check_rerun(changed, tmp_path)
 

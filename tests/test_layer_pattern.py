@@ -161,7 +161,7 @@ CONTEXT = ["mesh.context=4", "mesh.data=2"]
 ])
 def test_bad_patterns_and_strategy_maps_stop_at_load(overrides, key, words):
     with pytest.raises(RecipeError) as err:
-        load_recipe(None, overrides)
+        load_recipe("tiny", overrides)
     assert f"'{key}'" in str(err.value) and words in str(err.value)
 
 
@@ -189,8 +189,8 @@ def test_export_refuses_sliding_layers_before_reading_weights():
     from lctrain.recipes import RecipeError, load_recipe
     from lctrain.trainer.hf_config import check_exportable
 
-    check_exportable(load_recipe(None).model)
-    sliding = load_recipe(None, ["model.layer_pattern=[{kind: sliding, count: 1, window: 8}, "
+    check_exportable(load_recipe("tiny").model)
+    sliding = load_recipe("tiny", ["model.layer_pattern=[{kind: sliding, count: 1, window: 8}, "
                                  "{kind: global, count: 1}]"])
     with pytest.raises(RecipeError, match="model.layer_pattern.*sliding-window layers"):
         check_exportable(sliding.model)

@@ -228,14 +228,14 @@ def sources_override(*specs) -> str:
 
 def test_sources_load_as_typed_sections_and_round_trip(tmp_path):
     a = write_docs(tmp_path / "a.npy", random_lengths(0), 0)
-    recipe = load_recipe(None, [sources_override({"path": a, "weight": 2, "max_doc_tokens": 30}),
+    recipe = load_recipe("tiny", [sources_override({"path": a, "weight": 2, "max_doc_tokens": 30}),
                                 "data.eos_id=0", "data.seq_len=32"])
     assert recipe.data.sources == [SourceConfig(path=a, weight=2.0, max_doc_tokens=30)]
     saved = tmp_path / "recipe.yaml"
     saved.write_text(yaml.safe_dump(recipe.to_dict()))
     assert load_recipe(str(saved)).data == recipe.data
     assert "source" not in recipe.to_dict()["data"]
-    assert "sources" not in load_recipe(None).to_dict()["data"]  # old run dirs still resume
+    assert "sources" not in load_recipe("tiny").to_dict()["data"]  # old run dirs still resume
 
 
 @pytest.mark.parametrize("value, words", [
@@ -245,7 +245,7 @@ def test_sources_load_as_typed_sections_and_round_trip(tmp_path):
 ])
 def test_malformed_sources_name_the_key(value, words):
     with pytest.raises(RecipeError) as err:
-        load_recipe(None, [f"data.sources={value}"], reads_data=False)
+        load_recipe("tiny", [f"data.sources={value}"], reads_data=False)
     assert words in str(err.value)
 
 
@@ -283,7 +283,7 @@ def test_sources_with_different_tokenizers_are_refused(tmp_path, field, value):
 
 def test_the_same_tokenizer_mixes(tmp_path):
     first, second = two_bin_files(tmp_path, SIDECAR, SIDECAR)
-    recipe = load_recipe(None, [sources_override({"path": first}, {"path": second}),
+    recipe = load_recipe("tiny", [sources_override({"path": first}, {"path": second}),
                                 "data.seq_len=32"])
     assert make_source(recipe.data, vocab=VOCAB, seed=0).eos_id == 0
 
@@ -325,7 +325,7 @@ def test_data_source_and_sources_together(tmp_path):
 
 def test_evaluation_with_its_own_source_leaves_the_mixture(tmp_path):
     a = write_docs(tmp_path / "a.npy", random_lengths(0), 0)
-    recipe = load_recipe(None, [sources_override({"path": a}), "data.eos_id=0",
+    recipe = load_recipe("tiny", [sources_override({"path": a}), "data.eos_id=0",
                                 "eval.source=synthetic"])
     assert recipe.for_evaluation().data.sources == []
     assert dataclasses.replace(recipe, eval=dataclasses.replace(recipe.eval, source=None)
@@ -345,7 +345,7 @@ def test_a_run_logs_tokens_per_source_and_the_long_share(tmp_path):
     result = CliRunner().invoke(app, ["run", *[x for s in sets for x in ("--set", s)],
                                       "--run-dir", str(run_dir)])
     assert result.exit_code == 0, result.output
-    source = make_source(load_recipe(None, sets).data, vocab=128, seed=0)
+    source = make_source(load_recipe("tiny", sets).data, vocab=128, seed=0)
     assert f"{long_token_share(source, 32):.1%} of the tokens lie in documents longer" \
         in result.output
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -361,7 +361,7 @@ def test_the_tokenizer_of_a_mixture_is_its_sources(tmp_path, monkeypatch):
     """Evaluation's needles and the HF export read the tokenizer from the sources' sidecars
     (data.source is unset under a mixture)."""
     first, second = two_bin_files(tmp_path, SIDECAR, SIDECAR)
-    recipe = load_recipe(None, [sources_override({"path": first}, {"path": second}),
+    recipe = load_recipe("tiny", [sources_override({"path": first}, {"path": second}),
                                 "data.seq_len=32"])
     monkeypatch.setattr(DocumentTokenizer, "load", classmethod(lambda cls, path: path))
     assert data_tokenizer(recipe.data) == SIDECAR["tokenizer"]

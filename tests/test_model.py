@@ -16,7 +16,7 @@ from lctrain.trainer.model import Transformer, rope_frequencies
 
 def config(**overrides):
     sets = [f"model.{k}={v}" for k, v in overrides.items()]
-    return load_recipe(None, ["model.dtype=float32", *sets]).model
+    return load_recipe("tiny", ["model.dtype=float32", *sets]).model
 
 
 def reference_logits(params, cfg, tokens, positions, segments):

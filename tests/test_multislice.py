@@ -32,7 +32,7 @@ MATRICES = 2 * 16384 + 2 * 4096 + 3 * 49152        # one layer's weight matrices
 
 
 def tiny(*extra: str):
-    return load_recipe(None, [*TINY, *extra])
+    return load_recipe("tiny", [*TINY, *extra])
 
 
 def slice_of_each_position(mesh, slice_of) -> np.ndarray:
@@ -238,7 +238,7 @@ def test_two_slice_train_step_sends_only_data_traffic_across_slices():
     bytes the planner counts; the DCN bytes are at least the planner's floor."""
     from lctrain.parallel import aot, hlo
 
-    recipe = load_recipe(None, [*TINY, "data.seq_len=1024", "mesh.data=2", "mesh.context=4",
+    recipe = load_recipe("tiny", [*TINY, "data.seq_len=1024", "mesh.data=2", "mesh.context=4",
                                 "mesh.dcn_data=2"])
     devices = aot.topology_devices("v5p:2x2x1", slices=2)
     text = aot.compile_train_step(recipe, devices).as_text()

@@ -52,7 +52,7 @@ def compiles(monkeypatch, tmp_path) -> list:
 
 
 def attach(overrides=(), devices=V5P_2X2X1):
-    recipe = load_recipe(None, [*BASE, *overrides])
+    recipe = load_recipe("tiny", [*BASE, *overrides])
     result = planner.plan(recipe, V5P, check_against_devices(recipe, 4), "tpu")
     console = Console(file=io.StringIO(), width=200)
     planner.attach_compiled(result, recipe, devices,
@@ -87,7 +87,7 @@ def test_a_changed_recipe_value_or_topology_compiles_again(compiles, changed):
 
 
 def test_max_seq_search_reads_the_cache(compiles):
-    recipe = load_recipe(None, BASE)
+    recipe = load_recipe("tiny", BASE)
     result = planner.plan(recipe, V5P, check_against_devices(recipe, 4), "tpu")
     first = planner.longest_sequences(result, recipe, "tpu", V5P_2X2X1)
     searched = len(compiles)
@@ -132,7 +132,7 @@ def test_processes_give_the_serial_figures(monkeypatch, tmp_path):
     make_devices)."""
     from lctrain.parallel import aot
 
-    recipe = load_recipe(None, [*BASE, "model.layers=1", "model.dtype=bfloat16",
+    recipe = load_recipe("tiny", [*BASE, "model.layers=1", "model.dtype=bfloat16",
                                 "attention.impl=xla", "data.seq_len=1024"])
     sizes = check_against_devices(recipe, 4)
     devices = aot.topology_devices("v5p:2x2x1")
@@ -171,7 +171,7 @@ def test_a_compile_the_compiler_aborts_is_that_strategys_row(monkeypatch, tmp_pa
     """libtpu kills the process it compiles in: the compile runs in a process of its own,
     so the plan goes on, and the row says what the compiler said."""
     monkeypatch.setenv("LCTRAIN_CACHE", str(tmp_path / "cache"))
-    recipe = load_recipe(None, BASE)
+    recipe = load_recipe("tiny", BASE)
     result = planner.plan(recipe, V5P, check_against_devices(recipe, 4), "tpu")
     console = Console(file=io.StringIO(), width=200)
     aborted = result.plans[0]

@@ -28,7 +28,7 @@ TINY = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_hea
 
 
 def tiny(*extra: str):
-    return load_recipe(None, [*TINY, *extra])
+    return load_recipe("tiny", [*TINY, *extra])
 
 
 # ------------------------------------------------------------ parameters ----
@@ -36,7 +36,7 @@ def tiny(*extra: str):
 def test_parameter_count_matches_the_model():
     from lctrain.trainer.model import count_parameters
     for preset in ("tiny", "llama3.1-8b", "llama3.1-70b"):
-        recipe = load_recipe(None, [f"model.preset={preset}"])
+        recipe = load_recipe("tiny", [f"model.preset={preset}"])
         assert planner.count_parameters(recipe) == count_parameters(recipe.model)
 
 
@@ -167,7 +167,7 @@ def test_candidates_follow_the_heads():
 def test_splash_leaves_out_strategies_its_block_map_cannot_serve():
     """1M tokens on 4 chips: splash's map fits ring's 256K x 256K steps (and usp's 512K x
     512K do not); all_gather (256K x 1M) and ulysses (1M x 1M) are left out, saying why."""
-    recipe = load_recipe(None, ["model.preset=llama3.1-8b", "data.seq_len=1048576",
+    recipe = load_recipe("tiny", ["model.preset=llama3.1-8b", "data.seq_len=1048576",
                                 "data.batch_size=1", "attention.impl=splash"])
     result = planner.plan(recipe, V5P, CONTEXT4)
     assert [p.name for p in result.plans] == ["ring"]
@@ -375,7 +375,7 @@ COMM_TOLERANCE = 0.05
 
 
 def grid_recipe(model, seq, remat, strategy):
-    return load_recipe(None, ["model.dtype=bfloat16", "attention.impl=xla", *MODELS[model],
+    return load_recipe("tiny", ["model.dtype=bfloat16", "attention.impl=xla", *MODELS[model],
                               f"data.seq_len={seq}",
                               "data.batch_size=1", "mesh.data=1", "mesh.context=4",
                               f"parallel.strategy={strategy}", f"remat.policy={remat}"])

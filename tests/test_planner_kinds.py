@@ -31,7 +31,7 @@ SLIDING_LAYERS, GLOBAL_LAYERS = 5, 2
 
 
 def mixed(*overrides):
-    return load_recipe(None, [*MIXED, "parallel.strategy={global: ring, sliding: halo}",
+    return load_recipe("tiny", [*MIXED, "parallel.strategy={global: ring, sliding: halo}",
                               *overrides])
 
 
@@ -68,7 +68,7 @@ def test_the_kinds_add_up_to_the_totals():
     own = sum(nbytes for source, nbytes in p.comm_detail.items() if source.startswith("strategy"))
     assert sum(part.comm_bytes for part in p.kinds.values()) == pytest.approx(own)
     # The global layers' ring over 2 layers is 2/7 of the ring over the whole model.
-    all_ring = plan_of(load_recipe(None, [*ALL_GLOBAL, "parallel.strategy=ring"]), "ring")
+    all_ring = plan_of(load_recipe("tiny", [*ALL_GLOBAL, "parallel.strategy=ring"]), "ring")
     assert p.comm_detail["strategy_ring"] == pytest.approx(
         all_ring.comm_detail["strategy_ring"] * GLOBAL_LAYERS / 7)
 
@@ -80,12 +80,12 @@ def test_sliding_layers_cost_window_over_sequence_attention_flops():
     assert layer_kinds.attention_keys_per_query(recipe) == pytest.approx(
         (GLOBAL_LAYERS + SLIDING_LAYERS * sliding_share) / 7)
     # Fewer attention flops than the same layers all global.
-    all_global = load_recipe(None, [*ALL_GLOBAL, "data.seq_len=8192", "parallel.strategy=ring"])
+    all_global = load_recipe("tiny", [*ALL_GLOBAL, "data.seq_len=8192", "parallel.strategy=ring"])
     assert plan_of(recipe, "ring").model_flops < plan_of(all_global, "ring").model_flops
 
 
 def test_a_model_without_a_pattern_plans_as_before():
-    recipe = load_recipe(None, [*ALL_GLOBAL, "parallel.strategy=ring"])
+    recipe = load_recipe("tiny", [*ALL_GLOBAL, "parallel.strategy=ring"])
     p = plan_of(recipe, "ring")
     assert p.kinds is None and "strategy_halo" not in p.comm_detail
 
@@ -103,7 +103,7 @@ def test_planned_halo_traffic_matches_the_compiled_hlo():
 @pytest.mark.parametrize("strategy", ["auto", "{global: auto, sliding: auto}",
                                       "{global: auto, sliding: halo}"])
 def test_auto_picks_halo_for_sliding_layers_and_a_global_strategy(strategy):
-    recipe = load_recipe(None, [*MIXED, f"parallel.strategy={strategy}"])
+    recipe = load_recipe("tiny", [*MIXED, f"parallel.strategy={strategy}"])
     choice, _, reason = choose_strategy(recipe, CONTEXT4, 95 * 2**30)
     assert choice["sliding"] == "halo" and choice["global"] in ("all_gather", "ulysses", "ring")
     expected = planner.plan(recipe, V5P, CONTEXT4).choice
@@ -111,14 +111,14 @@ def test_auto_picks_halo_for_sliding_layers_and_a_global_strategy(strategy):
 
 
 def test_auto_keeps_a_kind_the_map_names():
-    recipe = load_recipe(None, [*MIXED, "parallel.strategy={global: ring, sliding: auto}"])
+    recipe = load_recipe("tiny", [*MIXED, "parallel.strategy={global: ring, sliding: auto}"])
     order, _ = ranked_strategies(recipe, CONTEXT4, 95 * 2**30)
     assert order == [({"global": "ring", "sliding": "halo"}, 1)]
 
 
 def test_auto_runs_sliding_layers_on_the_global_strategy_when_the_window_is_too_wide():
     # 1024 tokens over 4 chips, load-balanced: chunks of 128 tokens; window - 1 = 199.
-    recipe = load_recipe(None, [*MIXED, "parallel.strategy=auto",
+    recipe = load_recipe("tiny", [*MIXED, "parallel.strategy=auto",
                                 "model.layer_pattern=[{kind: sliding, count: 2, window: 200}, "
                                 "{kind: global}]"])
     choice, _, _ = choose_strategy(recipe, CONTEXT4, 95 * 2**30)
@@ -127,7 +127,7 @@ def test_auto_runs_sliding_layers_on_the_global_strategy_when_the_window_is_too_
 
 def test_auto_refuses_when_the_named_global_strategy_cannot_run():
     # Ulysses splits the heads over mesh.context (4): 2 heads do not divide.
-    recipe = load_recipe(None, [*MIXED, "model.n_heads=2", "model.n_kv_heads=1",
+    recipe = load_recipe("tiny", [*MIXED, "model.n_heads=2", "model.n_kv_heads=1",
                                 "parallel.strategy={global: ulysses, sliding: auto}"])
     with pytest.raises(RecipeError) as err:
         ranked_strategies(recipe, CONTEXT4, 95 * 2**30)
@@ -162,7 +162,7 @@ def test_mfu_counts_attention_per_layer_kind(pattern, keys):
     over its layers; [linear x3, global] a quarter."""
     from lctrain.trainer.metrics import count_parameters, training_flops_per_token
 
-    recipe = load_recipe(None, ["model.layers=4", "data.seq_len=512",
+    recipe = load_recipe("tiny", ["model.layers=4", "data.seq_len=512",
                                 f"model.layer_pattern={pattern}"])
     m = recipe.model
     attention = 6 * m.layers * 512 * m.n_heads * m.head_dim
@@ -192,7 +192,7 @@ def test_the_planner_counts_the_parameters_a_linear_pattern_model_holds(override
 def test_the_plan_says_its_estimate_is_rough_for_switched_layer_kinds():
     from lctrain.parallel.planner.accuracy import estimate_note
     short = ["data.seq_len=8192"]   # 2K tokens per chip: no other reason to warn
-    all_global = load_recipe(None, [*ALL_GLOBAL, *short, "parallel.strategy=ring"])
+    all_global = load_recipe("tiny", [*ALL_GLOBAL, *short, "parallel.strategy=ring"])
     assert estimate_note(all_global, CONTEXT4) is None
     note = estimate_note(mixed(*short), CONTEXT4)
     assert "21% under with ulysses" in note and "--compile" in note

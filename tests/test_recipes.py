@@ -25,14 +25,14 @@ def write(tmp_path, text):
 
 
 def test_default_recipe_fills_the_tiny_preset():
-    recipe = load_recipe(None)
+    recipe = load_recipe("tiny")
     assert (recipe.model.layers, recipe.model.d_model, recipe.model.n_heads,
             recipe.model.n_kv_heads, recipe.model.vocab) == (2, 128, 8, 2, 128)
     assert recipe.runtime.cpu_devices == "auto"
 
 
 def test_preset_values_are_overridden_field_by_field():
-    recipe = load_recipe(None, ["model.preset=llama3.1-8b", "model.layers=4"])
+    recipe = load_recipe("tiny", ["model.preset=llama3.1-8b", "model.layers=4"])
     assert recipe.model.layers == 4
     assert recipe.model.d_model == 4096 and recipe.model.n_kv_heads == 8
     assert recipe.model.vocab == 128256 and recipe.model.rope_scaling.factor == 8.0
@@ -41,13 +41,13 @@ def test_preset_values_are_overridden_field_by_field():
 def test_warmup_longer_than_the_run_is_clamped():
     from lctrain.trainer.optimizer import learning_rate_schedule
 
-    train = load_recipe(None, ["train.steps=3", "train.warmup_steps=20"]).train
+    train = load_recipe("tiny", ["train.steps=3", "train.warmup_steps=20"]).train
     assert train.run_warmup_steps == 2
     assert float(learning_rate_schedule(train)(2)) == pytest.approx(train.lr)
 
 
 def test_overrides_convert_types():
-    recipe = load_recipe(None, ["train.lr=3e-4", "data.seq_len=512", "parallel.load_balance=false",
+    recipe = load_recipe("tiny", ["train.lr=3e-4", "data.seq_len=512", "parallel.load_balance=false",
                                 "remat.policy=custom", "remat.tensors.decoder_layer_input=offload"])
     assert recipe.train.lr == pytest.approx(3e-4)
     assert recipe.data.seq_len == 512
@@ -73,7 +73,7 @@ def test_overrides_convert_types():
 ])
 def test_bad_values_name_the_key_and_the_fix(overrides, key, words):
     with pytest.raises(RecipeError) as err:
-        load_recipe(None, overrides)
+        load_recipe("tiny", overrides)
     assert f"'{key}'" in str(err.value) and words in str(err.value)
 
 
@@ -85,14 +85,14 @@ def test_bad_values_name_the_key_and_the_fix(overrides, key, words):
 ])
 def test_rope_scaling_keys_the_type_does_not_read_are_refused(scaling, key, readers):
     with pytest.raises(RecipeError) as err:
-        load_recipe(None, [f"model.rope_scaling={scaling}"])
+        load_recipe("tiny", [f"model.rope_scaling={scaling}"])
     message = str(err.value)
     assert f"'model.rope_scaling.{key}'" in message and "model.rope_scaling.type" in message
     assert f"set model.rope_scaling.type to {readers}" in message
 
 
 def test_rope_scaling_keys_merge_over_the_preset_type():
-    scaling = load_recipe(None, ["model.preset=llama3.1-8b",
+    scaling = load_recipe("tiny", ["model.preset=llama3.1-8b",
                                  "model.rope_scaling={factor: 128}"]).model.rope_scaling
     assert (scaling.type, scaling.factor, scaling.original_max_position_embeddings) == (
         "llama3", 128.0, 8192)
@@ -103,7 +103,7 @@ def test_rope_scaling_keys_merge_over_the_preset_type():
 def test_a_written_recipe_loads_back_with_the_same_rope(tmp_path, scaling):
     from lctrain.recipes import load_run_recipe
 
-    recipe = load_recipe(None, [f"model.rope_scaling={scaling}"])
+    recipe = load_recipe("tiny", [f"model.rope_scaling={scaling}"])
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     assert load_run_recipe(tmp_path).model.rope_scaling == recipe.model.rope_scaling
 
@@ -112,7 +112,7 @@ def test_a_run_dir_recipe_listing_every_rope_key_still_loads(tmp_path):
     """recipe.yaml written before unread rope_scaling keys were refused lists them all."""
     from lctrain.recipes import load_run_recipe
 
-    recipe = load_recipe(None)
+    recipe = load_recipe("tiny")
     raw = recipe.to_dict()
     raw["model"]["rope_scaling"] = dataclasses.asdict(recipe.model.rope_scaling)
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -130,25 +130,25 @@ def test_yaml_scalars_are_checked(tmp_path):
 
 
 def test_mesh_product_must_match_devices():
-    recipe = load_recipe(None, ["mesh.data=2", "mesh.fsdp=2"])
+    recipe = load_recipe("tiny", ["mesh.data=2", "mesh.fsdp=2"])
     with pytest.raises(RecipeError, match="multiply to 4 but there are 8 devices"):
         check_against_devices(recipe, 8)
 
 
 def test_fill_axis_takes_the_remaining_devices():
-    recipe = load_recipe(None, ["mesh.data=-1", "mesh.tensor=2"])
+    recipe = load_recipe("tiny", ["mesh.data=-1", "mesh.tensor=2"])
     assert check_against_devices(recipe, 8) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
 
 
 def test_seq_len_must_split_into_load_balanced_chunks():
-    recipe = load_recipe(None, ["parallel.strategy=all_gather", "mesh.context=4",
+    recipe = load_recipe("tiny", ["parallel.strategy=all_gather", "mesh.context=4",
                                 "data.seq_len=100"])
     with pytest.raises(RecipeError, match=r"'data.seq_len' = 100: must be divisible by 8"):
         check_against_devices(recipe, 8)
 
 
 def test_batch_must_split_over_data_parallel_devices():
-    recipe = load_recipe(None, ["data.batch_size=4"])
+    recipe = load_recipe("tiny", ["data.batch_size=4"])
     with pytest.raises(RecipeError, match="'data.batch_size' = 4: must be divisible by"):
         check_against_devices(recipe, 8)
 
@@ -172,8 +172,11 @@ def test_cli_reports_bad_input_in_one_line_and_exits_2(args, words, tmp_path):
 def test_readme_recipe_reference_is_current():
     from lctrain.recipes.reference import recipe_reference
 
+    from lctrain.recipes.reference import embedded_reference
+
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert recipe_reference() in readme, "run: python -m lctrain.recipes.reference"
+    assert embedded_reference(readme) == recipe_reference(), (
+        "run: python -m lctrain.recipes.reference README.md")
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")),
@@ -204,17 +207,17 @@ def test_shipped_recipes_load_with_every_value_they_set(path, tmp_path):
 
 def test_llama31_8b_preset_equals_the_hub_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG))
-    imported = load_recipe(None, [f"model.init=hf:{tmp_path}"]).model
-    preset = load_recipe(None, ["model.preset=llama3.1-8b"]).model
+    imported = load_recipe("tiny", [f"model.init=hf:{tmp_path}"]).model
+    preset = load_recipe("tiny", ["model.preset=llama3.1-8b"]).model
     differing = [f.name for f in dataclasses.fields(preset)
                  if getattr(preset, f.name) != getattr(imported, f.name)]
     assert differing == ["init", "preset"]
 
 
 def test_cpu_devices_is_a_count_or_auto():
-    assert load_recipe(None, ["runtime.cpu_devices=4"]).runtime.cpu_devices == 4
-    assert load_recipe(None, ["runtime.cpu_devices=0"]).runtime.cpu_devices == 0
-    assert load_recipe(None, ["runtime.cpu_devices=auto"]).runtime.cpu_devices == "auto"
+    assert load_recipe("tiny", ["runtime.cpu_devices=4"]).runtime.cpu_devices == 4
+    assert load_recipe("tiny", ["runtime.cpu_devices=0"]).runtime.cpu_devices == 0
+    assert load_recipe("tiny", ["runtime.cpu_devices=auto"]).runtime.cpu_devices == "auto"
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
@@ -222,21 +225,21 @@ def test_a_splitting_strategy_without_a_context_axis_is_refused(strategy):
     """mesh.context 1 (the default) with a strategy that splits the sequence used to run as
     if parallel.strategy were none; now one line names both keys and the fix."""
     with pytest.raises(RecipeError) as err:
-        load_recipe(None, [f"parallel.strategy={strategy}"])
+        load_recipe("tiny", [f"parallel.strategy={strategy}"])
     assert str(err.value) == (
         f"recipe key 'parallel.strategy' = '{strategy}': splits the sequence over "
         f"mesh.context, which is 1; set mesh.context >= 2, or parallel.strategy=none")
 
 
 def test_a_context_axis_filled_to_one_device_is_refused_too():
-    recipe = load_recipe(None, ["parallel.strategy=ring", "mesh.context=-1", "mesh.data=1"])
+    recipe = load_recipe("tiny", ["parallel.strategy=ring", "mesh.context=-1", "mesh.data=1"])
     with pytest.raises(RecipeError, match="'parallel.strategy' = 'ring'.*which is 1"):
         check_against_devices(recipe, 1)
     assert check_against_devices(recipe, 4)["context"] == 4
 
 
 def test_auto_with_one_context_device_still_loads():
-    recipe = load_recipe(None, ["parallel.strategy=auto"])
+    recipe = load_recipe("tiny", ["parallel.strategy=auto"])
     assert check_against_devices(recipe, 8) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
 
 
@@ -250,7 +253,7 @@ def test_pallas_tiles_are_checked_at_load_for_tpu():
     it in one line, as splash's layout is, where the trace used to raise a bare ValueError."""
     from lctrain.parallel import STRATEGIES
 
-    recipe = load_recipe(None, PALLAS_8000)
+    recipe = load_recipe("tiny", PALLAS_8000)
     sizes = check_against_devices(recipe, 8)
     with pytest.raises(RecipeError) as err:
         STRATEGIES["ring"].check(recipe, sizes, "tpu")
@@ -260,15 +263,15 @@ def test_pallas_tiles_are_checked_at_load_for_tpu():
         "sequence length that is a multiple of 128 (or at most the block size 512); got 2000; "
         "make data.seq_len a multiple of 512, or use attention.impl=xla")
     # impl=auto falls back from splash (1000-token chunks) to the same Pallas kernel.
-    auto = load_recipe(None, [*PALLAS_8000, "attention.impl=auto"])
+    auto = load_recipe("tiny", [*PALLAS_8000, "attention.impl=auto"])
     with pytest.raises(RecipeError, match="'attention.impl' = 'auto'"):
         STRATEGIES["ring"].check(auto, sizes, "tpu")
     # all_gather's calls are 2000 queries x 8000 keys: the same fix.
-    gather = load_recipe(None, [*PALLAS_8000, "parallel.strategy=all_gather"])
+    gather = load_recipe("tiny", [*PALLAS_8000, "parallel.strategy=all_gather"])
     with pytest.raises(RecipeError, match="2000 queries x 8000 keys.*multiple of 512"):
         STRATEGIES["all_gather"].check(gather, sizes, "tpu")
     # What the message asks for works, and interpret mode (CPU) tiles any length.
-    STRATEGIES["ring"].check(load_recipe(None, [*PALLAS_8000, "data.seq_len=8192"]), sizes, "tpu")
+    STRATEGIES["ring"].check(load_recipe("tiny", [*PALLAS_8000, "data.seq_len=8192"]), sizes, "tpu")
     STRATEGIES["ring"].check(recipe, sizes, "cpu")
 
 
@@ -282,12 +285,12 @@ def test_pallas_tiles_stop_a_tpu_compile_before_it_starts(monkeypatch):
     from lctrain.parallel import aot
     from lctrain.trainer.loop import mesh_for
 
-    recipe = load_recipe(None, [*PALLAS_8000, "mesh.data=1", "data.batch_size=1"])
+    recipe = load_recipe("tiny", [*PALLAS_8000, "mesh.data=1", "data.batch_size=1"])
     devices = aot.topology_devices("v5p:2x2x1")
     monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("jit before the check"))
     with pytest.raises(RecipeError, match="'attention.impl' = 'pallas'.*multiple of 512"):
         aot.compile_train_step(recipe, devices)
-    assert mesh_for(load_recipe(None, [*PALLAS_8000, "mesh.data=1", "data.batch_size=1",
+    assert mesh_for(load_recipe("tiny", [*PALLAS_8000, "mesh.data=1", "data.batch_size=1",
                                        "data.seq_len=8192"]), devices).shape["context"] == 4
 
 
@@ -297,11 +300,11 @@ def test_relative_sources_are_taken_from_the_working_directory(tmp_path, monkeyp
     (tmp_path / "data").mkdir()
     np.save(tmp_path / "data" / "tokens.npy", np.arange(1000, dtype=np.int32) % 100)
     monkeypatch.chdir(tmp_path)
-    recipe = load_recipe(None, ["data.source=data/tokens.npy"])
+    recipe = load_recipe("tiny", ["data.source=data/tokens.npy"])
     assert make_source(recipe.data, vocab=128, seed=0).batch(0).inputs.shape == (8, 256)
     missing = tmp_path / "data" / "missing.bin"
     with pytest.raises(RecipeError) as err:
-        load_recipe(None, ["data.source=data/missing.bin"])
+        load_recipe("tiny", ["data.source=data/missing.bin"])
     assert f"'data.source' = 'data/missing.bin': no such file or folder (looked for {missing}" \
         in str(err.value)
     with pytest.raises(DataError, match=f"looked for {re.escape(str(missing))}"):

@@ -60,7 +60,7 @@ CASES = {
 def compiled(case: str):
     """(memory_analysis(), optimized HLO text) of the AOT case."""
     from lctrain.parallel import aot
-    recipe = load_recipe(None, AOT_SETS + CASES[case])
+    recipe = load_recipe("tiny", AOT_SETS + CASES[case])
     program = aot.compile_train_step(recipe, aot.topology_devices(TOPOLOGY))
     return program.memory_analysis(), program.as_text()
 
@@ -117,7 +117,7 @@ def test_offloading_the_optimizer_state_moves_the_moments_to_host_memory():
     the step, so its peak does not fall (here it rises by the moments' size)."""
     full, _ = compiled("full")
     offload, hlo = compiled("opt_offload")
-    recipe = load_recipe(None, AOT_SETS)
+    recipe = load_recipe("tiny", AOT_SETS)
     # Data parallel: every chip holds all parameters, so both f32 AdamW moments in full.
     moments = 2 * count_parameters(recipe.model) * 4                # 101,058,560 bytes
     assert full.host_argument_size_in_bytes == 0
@@ -139,17 +139,17 @@ def losses(records: list[dict]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def full_losses(tmp_path_factory):
-    recipe = load_recipe(None, CPU_SETS)
+    recipe = load_recipe("tiny", CPU_SETS)
     return losses(train(recipe, tmp_path_factory.mktemp("full"), Console(quiet=True)))
 
 
 def test_offloaded_layer_inputs_train_like_full_remat(tmp_path, full_losses):
-    recipe = load_recipe(None, CPU_SETS + CASES["offload"])
+    recipe = load_recipe("tiny", CPU_SETS + CASES["offload"])
     assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
 
 
 def test_offloaded_optimizer_state_trains_and_resumes_like_on_device(tmp_path, full_losses):
-    recipe = load_recipe(None, CPU_SETS + ["optimizer.offload=true"])
+    recipe = load_recipe("tiny", CPU_SETS + ["optimizer.offload=true"])
     assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
     # Resume from the step-2 checkpoint (drop the later ones): the moments come back into
     # host memory and steps 3-5 repeat exactly.
@@ -160,7 +160,7 @@ def test_offloaded_optimizer_state_trains_and_resumes_like_on_device(tmp_path, f
 
 
 def test_offloaded_moments_live_in_pinned_host_memory():
-    recipe = load_recipe(None, ["optimizer.offload=true"])
+    recipe = load_recipe("tiny", ["optimizer.offload=true"])
     trainable = build_trainable(recipe, mesh_for(recipe))
     state = trainable.init()
     kinds = {(leaf.ndim > 0, leaf.sharding.memory_kind)
@@ -170,11 +170,11 @@ def test_offloaded_moments_live_in_pinned_host_memory():
 
 
 def test_offload_needs_pinned_host_memory():
-    recipe = load_recipe(None, ["optimizer.offload=true"])
+    recipe = load_recipe("tiny", ["optimizer.offload=true"])
     check_host_memory(recipe, {"device", "pinned_host"})
     with pytest.raises(RecipeError, match="optimizer.offload"):
         check_host_memory(recipe, {"device"})
-    recipe = load_recipe(None, CASES["offload"])
+    recipe = load_recipe("tiny", CASES["offload"])
     with pytest.raises(RecipeError, match="remat.tensors.decoder_layer_input"):
         check_host_memory(recipe, {"device"})
     assert "pinned_host" in {memory.kind for memory in jax.devices()[0].addressable_memories()}
@@ -211,7 +211,7 @@ def forward_kernels_in_backward(sets: list[str]) -> int:
     from lctrain.trainer.loop import device_batch
     from lctrain.trainer.step import make_loss_sums
 
-    recipe = load_recipe(None, ["attention.impl=pallas", "data.seq_len=256", *sets])
+    recipe = load_recipe("tiny", ["attention.impl=pallas", "data.seq_len=256", *sets])
     mesh = mesh_for(recipe)
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)
@@ -254,7 +254,7 @@ def ring_peak(monkeypatch, fenced: bool) -> int:
     from lctrain.trainer import model
     if not fenced:
         monkeypatch.setattr(model, "gradients_together", lambda *arrays: arrays)
-    recipe = load_recipe(None, RING_SETS)
+    recipe = load_recipe("tiny", RING_SETS)
     return aot.compile_train_step(recipe, aot.topology_devices(TOPOLOGY)
                                   ).memory_analysis().peak_memory_in_bytes
 

@@ -32,7 +32,7 @@ def answers_and_needles(recipe, decode, source=None):
 
 @pytest.mark.parametrize("task", ["needle", "passkey"])
 def test_byte_tokenizer_samples(task):
-    recipe = load_recipe(None, ["model.vocab=300", f"eval.task={task}", "data.seq_len=512",
+    recipe = load_recipe("tiny", ["model.vocab=300", f"eval.task={task}", "data.seq_len=512",
                                 "eval.lengths=2", "eval.depths=3", "data.batch_size=2"])
     lengths, depths = grid(recipe)
     assert lengths[-1] == 512 and 120 < lengths[0] < 512 and depths == [0.0, 0.5, 1.0]
@@ -55,7 +55,7 @@ def test_hf_tokenizer_samples_take_filler_from_the_source(tmp_path):
     texts = [f"document {i} talks about rivers and meadows at length." for i in range(60)]
     tokenizer = small_tokenizer(tmp_path / "tok", texts)
     (tmp_path / "corpus.txt").write_text(" ".join(texts))
-    recipe = load_recipe(None, [f"model.vocab={tokenizer.get_vocab_size()}",
+    recipe = load_recipe("tiny", [f"model.vocab={tokenizer.get_vocab_size()}",
                                 f"data.tokenizer={tmp_path / 'tok'}",
                                 f"data.source={tmp_path / 'corpus.txt'}", "data.seq_len=512",
                                 "eval.task=needle", "eval.lengths=1", "eval.depths=2",
@@ -69,7 +69,7 @@ def test_hf_tokenizer_samples_take_filler_from_the_source(tmp_path):
 
 
 def test_needle_longer_than_its_haystack_is_an_error():
-    recipe = load_recipe(None, ["model.vocab=300", "eval.task=passkey", "data.seq_len=32",
+    recipe = load_recipe("tiny", ["model.vocab=300", "eval.task=passkey", "data.seq_len=32",
                                 "eval.lengths=1"])
     with pytest.raises(RecipeError, match="cannot hold a passkey haystack"):
         next(cell_batches(recipe, None, seed=0))

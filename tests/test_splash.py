@@ -172,7 +172,7 @@ def test_recipe_splash_cannot_tile_is_refused():
     no multiple of 128, or a block map too big for splash's scalar memory: RecipeError
     naming the key, at load (strategy check), before anything compiles."""
     def check(seq_len, context, strategy="ring"):
-        recipe = load_recipe(None, ["attention.impl=splash", f"data.seq_len={seq_len}",
+        recipe = load_recipe("tiny", ["attention.impl=splash", f"data.seq_len={seq_len}",
                                     f"parallel.strategy={strategy}", f"mesh.context={context}"])
         sizes = {"data": 8 // context, "fsdp": 1, "context": context, "tensor": 1}
         STRATEGIES[strategy].check(recipe, sizes)

@@ -39,7 +39,7 @@ QUIET = Console(quiet=True)
 def stage1(tmp_path_factory) -> Path:
     """Two steps at 256 tokens without context parallelism; checkpoints at steps 1 and 2."""
     run_dir = tmp_path_factory.mktemp("stage1")
-    train(load_recipe(None, STAGE1), run_dir, QUIET)
+    train(load_recipe("tiny", STAGE1), run_dir, QUIET)
     return run_dir
 
 
@@ -55,7 +55,7 @@ def saved_state(run_dir: Path, step: int) -> dict:
 def one_device_loss(params: dict, sets: list[str]) -> float:
     """The mean next-token loss of `params` on batch 0 of the recipe's data, on one device
     without context parallelism."""
-    recipe = load_recipe(None, [*sets, "parallel.strategy=none", "mesh.context=1",
+    recipe = load_recipe("tiny", [*sets, "parallel.strategy=none", "mesh.context=1",
                                 "mesh.data=1"])
     mesh = mesh_for(recipe, jax.devices()[:1])
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(recipe.model, nnx.Rngs(0))))
@@ -88,7 +88,7 @@ def test_stage2_starts_from_stage1_weights_on_its_own_first_batch(stage1, tmp_pa
 @pytest.mark.parametrize("optimizer", [True, False])
 def test_init_optimizer_carries_adam_moments_and_restarts_the_schedule(stage1, tmp_path,
                                                                       optimizer):
-    recipe = load_recipe(None, STAGE2)
+    recipe = load_recipe("tiny", STAGE2)
     trainable = build_trainable(recipe, mesh_for(recipe))
     init = checked_init_from(InitFrom(stage1, 1, optimizer), recipe, tmp_path, QUIET)
     state, next_batch = stage_start(init, recipe, trainable, tmp_path, QUIET)

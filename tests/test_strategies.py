@@ -64,7 +64,7 @@ def recipe_for(strategy, mesh, heads, load_balance=True, extra=(), seq=SEQ):
             f"data.seq_len={seq}", f"data.batch_size={BATCH}", "model.n_heads=8",
             f"model.n_kv_heads={heads}", "model.d_model=64", "attention.block_kv=8",
             *[f"mesh.{axis}={size}" for axis, size in mesh.items()], *extra]
-    return load_recipe(None, sets)
+    return load_recipe("tiny", sets)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_load_balanced_order_pairs_chunks_from_both_ends():
 def test_auto_strategy_choice(overrides, context, expected):
     from lctrain.parallel.auto import choose_strategy
 
-    recipe = load_recipe(None, overrides)
+    recipe = load_recipe("tiny", overrides)
     sizes = {"data": 1, "fsdp": 1, "context": context, "tensor": 1}
     strategy, ulysses, reason = choose_strategy(recipe, sizes, device_memory=95 * 2**30)
     assert (strategy, ulysses) == expected

@@ -236,12 +236,12 @@ def test_tokenizer_larger_than_model_vocab_stops_the_recipe(hf_dir, reference, t
     # The tiny preset has model.vocab 128.
     with pytest.raises(RecipeError, match=f"tokenizer vocabulary {vocab} exceeds model.vocab "
                                           f"128"):
-        load_recipe(None, [f"data.source={token_file}"])
+        load_recipe("tiny", [f"data.source={token_file}"])
     with pytest.raises(RecipeError, match=f"data.tokenizer .*: tokenizer vocabulary {vocab} "
                                           f"exceeds model.vocab 128"):
-        load_recipe(None, [f"data.source={token_file.parent / 'corpus'}",
+        load_recipe("tiny", [f"data.source={token_file.parent / 'corpus'}",
                            f"data.tokenizer={hf_dir}"])
-    recipe = load_recipe(None, [f"data.source={token_file}", f"model.vocab={vocab}"])
+    recipe = load_recipe("tiny", [f"data.source={token_file}", f"model.vocab={vocab}"])
     assert recipe.data.eos_id is None  # left to the sidecar, read again by make_source
 
 
@@ -254,7 +254,7 @@ def test_recipe_value_that_disagrees_with_the_sidecar(token_file, key, value, si
     words = (f"'data.{key}' = {value!r} disagrees with sidecar {token_file}.json "
              f"({sidecar_value!r})")
     with pytest.raises(RecipeError) as err:
-        load_recipe(None, [f"data.source={token_file}", "model.vocab=512", f"data.{key}={value}"])
+        load_recipe("tiny", [f"data.source={token_file}", "model.vocab=512", f"data.{key}={value}"])
     assert words in str(err.value)
     with pytest.raises(DataError) as err:
         make_source(DataConfig(seq_len=4, source=str(token_file), **{key: value}),
@@ -264,7 +264,7 @@ def test_recipe_value_that_disagrees_with_the_sidecar(token_file, key, value, si
 
 def test_data_tokenizer_needs_a_text_source(hf_dir, token_file):
     with pytest.raises(RecipeError, match="'data.tokenizer' = .*only used with a text"):
-        load_recipe(None, [f"data.source={token_file}", "model.vocab=512",
+        load_recipe("tiny", [f"data.source={token_file}", "model.vocab=512",
                            f"data.tokenizer={hf_dir}"])
 
 
@@ -350,6 +350,6 @@ def test_fingerprint_tells_tokenizers_of_one_vocabulary_size_apart(hf_dir, tmp_p
 def test_a_token_file_replaced_without_its_sidecar_is_refused(token_file):
     token_file.write_bytes(token_file.read_bytes()[:-4])
     with pytest.raises(RecipeError) as err:
-        load_recipe(None, [f"data.source={token_file}", "model.vocab=512"])
+        load_recipe("tiny", [f"data.source={token_file}", "model.vocab=512"])
     assert f"data.source {token_file}: " in str(err.value)
     assert "come from different runs of lctrain tokenize" in str(err.value)

@@ -39,7 +39,7 @@ SMALL = ["data.seq_len=64", "data.batch_size=8", "train.steps=10", "train.warmup
 
 @pytest.fixture(scope="module")
 def single_device_run():
-    return run_steps(load_recipe(None, SMALL), jax.devices()[:1])
+    return run_steps(load_recipe("tiny", SMALL), jax.devices()[:1])
 
 
 @pytest.mark.parametrize("overrides", [
@@ -50,7 +50,7 @@ def single_device_run():
 ])
 def test_meshes_and_accumulation_match_one_device(single_device_run, overrides):
     """f32: losses of 3 steps and the parameters after them agree to 1e-5 relative."""
-    losses, params = run_steps(load_recipe(None, SMALL + overrides), jax.devices())
+    losses, params = run_steps(load_recipe("tiny", SMALL + overrides), jax.devices())
     reference_losses, reference_params = single_device_run
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
     assert losses[-1] < losses[0]
@@ -61,7 +61,7 @@ def test_meshes_and_accumulation_match_one_device(single_device_run, overrides):
 def test_default_recipe_learns_the_copy_task(tmp_path):
     """Half of each sequence is a copy: only attention across the sequence can push the loss
     from about log(vocab) (4.8) towards half of it."""
-    records = train(load_recipe(None, ["runtime.log_every=50"]), tmp_path)
+    records = train(load_recipe("tiny", ["runtime.log_every=50"]), tmp_path)
     first, last = records[0]["loss"], records[-1]["loss"]
     assert last < 0.65 * first, (first, last)
     assert (tmp_path / "checkpoints" / "300").is_dir()
@@ -74,7 +74,7 @@ def test_default_recipe_learns_the_copy_task(tmp_path):
     # 257 tokens) is predicted, the random first half stays at chance (1/127).
     from lctrain.trainer.evaluate import evaluate
 
-    result = evaluate(load_recipe(None), tmp_path)
+    result = evaluate(load_recipe("tiny"), tmp_path)
     buckets = result["by_position"]
     for start, accuracy in zip(buckets["edges"], buckets["accuracy"]):
         if start >= 177:
@@ -87,7 +87,7 @@ def test_default_recipe_learns_the_copy_task(tmp_path):
     # haystack: the answer (positions 252-255) is the copy of positions 123-126, where the
     # value sits only when the needle starts at 121, so retrieval succeeds at that depth
     # alone: needle placement and answer scoring are exact to the token.
-    result = evaluate(load_recipe(None, ["eval.task=needle", "eval.lengths=1",
+    result = evaluate(load_recipe("tiny", ["eval.task=needle", "eval.lengths=1",
                                          "eval.depths=245"]), tmp_path)
     accuracy = np.array(result["retrieval"]["accuracy"][0])
     assert result["retrieval"]["lengths"] == [256]
@@ -155,7 +155,7 @@ FIRST_5 = ["train.steps=5", "train.warmup_steps=1", "runtime.log_every=1"]
 
 @pytest.fixture(scope="module")
 def one_device_losses(tmp_path_factory):
-    records = train(load_recipe(None, FIRST_5), tmp_path_factory.mktemp("one"),
+    records = train(load_recipe("tiny", FIRST_5), tmp_path_factory.mktemp("one"),
                     devices=jax.devices()[:1])
     return [r["loss"] for r in records]
 
@@ -167,7 +167,7 @@ def one_device_losses(tmp_path_factory):
 def test_every_strategy_trains_like_one_device(tmp_path, one_device_losses, strategy, extra):
     """The default recipe on mesh.context=8: the first 5 losses equal those of strategy
     none on a single device (to 1e-4, as the issue asks; f32 gives ~1e-6)."""
-    recipe = load_recipe(None, FIRST_5 + [f"parallel.strategy={strategy}", "mesh.context=8",
+    recipe = load_recipe("tiny", FIRST_5 + [f"parallel.strategy={strategy}", "mesh.context=8",
                                           *extra])
     records = train(recipe, tmp_path)
     np.testing.assert_allclose([r["loss"] for r in records], one_device_losses, rtol=1e-4)
@@ -175,7 +175,7 @@ def test_every_strategy_trains_like_one_device(tmp_path, one_device_losses, stra
 
 def test_device_batch_reads_only_what_each_shard_needs():
     """Rows come from the source once per row range, reordered for load balancing."""
-    recipe = load_recipe(None, ["parallel.strategy=ring", "mesh.data=2", "mesh.context=4",
+    recipe = load_recipe("tiny", ["parallel.strategy=ring", "mesh.data=2", "mesh.context=4",
                                 "data.seq_len=64"])
     mesh = mesh_for(recipe)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=0)
@@ -196,7 +196,7 @@ def test_logged_loss_is_the_cross_entropy_and_the_z_loss_is_apart():
     from lctrain.trainer.step import make_loss_sums
 
     sets = ["data.seq_len=64", "mesh.data=1"]
-    recipe = load_recipe(None, [*sets, "train.z_loss=0.1"])
+    recipe = load_recipe("tiny", [*sets, "train.z_loss=0.1"])
     mesh = mesh_for(recipe, jax.devices()[:1])
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)
@@ -205,7 +205,7 @@ def test_logged_loss_is_the_cross_entropy_and_the_z_loss_is_apart():
     batch = device_batch(source, 0, None, mesh)
 
     def mean_loss(z_loss):
-        sums = make_loss_sums(load_recipe(None, [*sets, f"train.z_loss={z_loss}"]),
+        sums = make_loss_sums(load_recipe("tiny", [*sets, f"train.z_loss={z_loss}"]),
                               trainable.graphdef, strategy)
         total, aux = jax.jit(sums)(state.params, batch)
         return float(total / aux.tokens)

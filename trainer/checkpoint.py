@@ -6,6 +6,8 @@ mid-save leaves the previous checkpoint as the latest one.
 
 from __future__ import annotations
 
+import logging
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,6 +71,7 @@ class Checkpointer:
         except Exception as err:
             if is_out_of_memory(err):
                 raise
+            _quiet_abandoned_reads()
             first_line = (str(err).strip().splitlines() or [""])[0][:300]
             raise CheckpointError(
                 f"{self.directory / str(step)}: cannot restore checkpoint step {step} "
@@ -92,6 +95,23 @@ class Checkpointer:
         """Waits for the async save in flight, so the process never exits mid-write."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a restore fails, orbax's other reads are still in flight; they finish on the
+    event loop the failure closed and complain at exit ("Event loop is closed" as an
+    unraisable error, "Task exception was never retrieved" from asyncio), a screen of
+    tracebacks after the one line that says what failed. Those two are dropped."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and "Event loop is closed" in str(unraisable.exc_value)):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(
+        lambda record: "Task exception was never retrieved" not in record.getMessage())
 
 
 def saved_steps(directory: Path) -> list[int]:

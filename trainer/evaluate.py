@@ -65,6 +65,7 @@ class Evaluator:
     for the mesh; called with the parameters, it returns what `summary` describes."""
 
     def __init__(self, recipe: Recipe, mesh, graphdef):
+        self.trained_seq_len = recipe.data.seq_len
         self.recipe = recipe.for_evaluation()
         data = self.recipe.data
         self.mesh = mesh
@@ -87,6 +88,7 @@ class Evaluator:
             for name, values in jax.device_get(self.bucket_sums(params, batch)).items():
                 totals[name] += values
         result = summary(totals, self.edges, self.recipe, origin)
+        result["trained_seq_len"] = self.trained_seq_len
         if self.recipe.eval.task != "loss":
             result["retrieval"] = self.retrieval(params, origin, console)
         return result
@@ -142,6 +144,7 @@ def summary(totals: dict[str, np.ndarray], edges: np.ndarray, recipe: Recipe,
     return {"loss": loss, "perplexity": math.exp(loss),
             "accuracy": float(totals["correct"].sum()) / count, "tokens": int(tokens.sum()),
             "batches": recipe.eval.batches, "seq_len": recipe.data.seq_len, "weights": origin,
+            "vocab": recipe.model.vocab,
             "by_position": {"edges": edges.tolist(),
                             "loss": (totals["loss"] / per_token).tolist(),
                             "accuracy": (totals["correct"] / per_token).tolist(),
