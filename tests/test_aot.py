@@ -200,10 +200,14 @@ def test_chunked_mlp_gathers_its_weights_once_per_layer():
     """remat.mlp_chunk_tokens = S/4: four chunks per MLP. Its weights are gathered before
     the chunk loop, so the step all-gathers what the unchunked one does (inside the loop
     XLA gathered them, and all-reduced their gradient, once per chunk); only the MLP
-    gradient's all-reduce grows, from bf16 to f32."""
+    gradient's all-reduce grows, from bf16 to f32. One weight gathered once more would
+    add a whole weight's share; the all-gathers may differ by less than half of one (libtpu
+    0.0.50 gathers 12,288 B less of something else in the chunked step, 0.0.42 the same)."""
     plain = compiled("ring")
     chunked = compiled("ring", extra=(f"remat.mlp_chunk_tokens={S // 4}",))
-    assert chunked.collective_bytes["all-gather"] == plain.collective_bytes["all-gather"]
+    one_weight_gathered = MODEL.d_model * MODEL.d_ff * BF16 * (C - 1) / C
+    assert abs(chunked.collective_bytes["all-gather"] - plain.collective_bytes["all-gather"]
+               ) < one_weight_gathered / 2
     mlp_elements = LAYERS * 3 * MODEL.d_model * MODEL.d_ff
     grown = chunked.collective_bytes["all-reduce"] - plain.collective_bytes["all-reduce"]
     assert grown == pytest.approx(mlp_elements * (4 - BF16) * 2 * (C - 1) / C, rel=0.01)

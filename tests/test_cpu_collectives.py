@@ -28,7 +28,7 @@ ONE_LAYER_RING = ("from lctrain.recipes import load_recipe; import sys, jax, jso
                   "from lctrain.trainer import loop; "
                   "from lctrain.trainer.data import make_source; "
                   "from lctrain.trainer.step import initial_state; "
-                  "r = load_recipe("tiny", sys.argv[1:]); run = loop.build_run(r, jax.devices()); "
+                  "r = load_recipe('tiny', sys.argv[1:]); run = loop.build_run(r, jax.devices()); "
                   "src = make_source(r.data, vocab=r.model.vocab, seed=0, holdout=0); "
                   "order = run.strategy.sequence_order(r.data.seq_len); "
                   "print(json.dumps([float(run.train_step(initial_state(r, run.trainable), "

@@ -249,5 +249,5 @@ def test_retrieval_table_counts_samples_in_good_grammar():
         "mean": 1.0, "samples_per_cell": 1}}
     out = io.StringIO()
     render_table(result, Console(file=out, width=300))
-    assert "share of the 1 sample per cell" in out.getvalue()
+    assert "share of the 1 sample per cell" in " ".join(out.getvalue().split())
     assert "1 samples" not in out.getvalue()

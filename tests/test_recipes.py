@@ -156,10 +156,10 @@ def test_batch_must_split_over_data_parallel_devices():
 @pytest.mark.parametrize("args, words", [
     (["run", "--set", "train.stpes=3"], "unknown recipe key 'train.stpes'"),
     (["run", "--set", "data.seq_len=abc"], "'data.seq_len': got 'abc'"),
-    (["run", "--set", "mesh.data=3"], "multiply to 3 but there are 8 devices"),
-    (["run", "--set", "mesh.context=2"], "needs mesh.context = 1"),
-    (["run", "--set", "parallel.strategy=ring"], "set mesh.context >= 2, or parallel.strategy=none"),
-    (["run", "--set", "data.batch_size=4"], "'data.batch_size' = 4: must be divisible by mesh.data"),
+    (["run", "tiny", "--set", "mesh.data=3"], "multiply to 3 but there are 8 devices"),
+    (["run", "tiny", "--set", "mesh.context=2"], "needs mesh.context = 1"),
+    (["run", "tiny", "--set", "parallel.strategy=ring"], "set mesh.context >= 2, or parallel.strategy=none"),
+    (["run", "tiny", "--set", "data.batch_size=4"], "'data.batch_size' = 4: must be divisible by mesh.data"),
     (["run", "no-such-recipe.yaml"], "does not exist"),
 ])
 def test_cli_reports_bad_input_in_one_line_and_exits_2(args, words, tmp_path):
@@ -322,3 +322,9 @@ def test_memory_figures_in_recipes_agree_with_the_readme(path):
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     figures = re.findall(r"\b\d+\.\d\d GB\b", path.read_text())
     assert [f for f in figures if f not in readme] == []
+
+
+def test_the_default_recipe_splits_each_sequence_over_four_devices():
+    recipe = load_recipe(None)
+    assert (recipe.parallel.strategy, recipe.parallel.load_balance) == ("ring", True)
+    assert check_against_devices(recipe, 8) == {"data": 2, "fsdp": 1, "context": 4, "tensor": 1}

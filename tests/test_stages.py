@@ -68,7 +68,7 @@ def one_device_loss(params: dict, sets: list[str]) -> float:
 
 
 def lctrain_run(run_dir: Path, sets: list[str], *args: str):
-    return CliRunner().invoke(app, ["run", "--run-dir", str(run_dir),
+    return CliRunner().invoke(app, ["run", "tiny", "--run-dir", str(run_dir),
                                     *[x for s in sets for x in ("--set", s)], *args])
 
 
