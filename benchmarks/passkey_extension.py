@@ -1,4 +1,4 @@
-"""Context extension on a CPU, end to end: the README's passkey heatmaps before and after.
+"""Context extension on a CPU, end to end: docs/evaluation.md's passkey heatmaps before and after.
 
 Stage 1 trains a small model (3 layers, byte tokens) on passkey documents of up to 256
 tokens: a pass key sentence hidden at a random depth in filler text, then the question
@@ -6,7 +6,7 @@ and the answer, so the model learns to retrieve. `lctrain eval` then scores retr
 a grid up to 1,024 tokens: it fails past its training length. Stage 2 imports that
 model as a Hugging Face checkpoint (`lctrain export`, then `model.init: hf:<dir>`),
 scales RoPE linearly by 4 and trains on documents of up to 1,024 tokens; the same grid
-then passes. That is the extension workflow of the README, at 1/1000 of the scale.
+then passes. That is the extension workflow of docs/extension.md, at 1/1000 of the scale.
 
     python benchmarks/passkey_extension.py [--out benchmarks/figures] [--work /tmp/passkey]
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data" / "planner_grid.jsonl"
 
-# The README's compiled rows: llama3.1-8b in bf16, one sequence over every chip.
+# benchmarks/RESULTS.md's compiled rows: llama3.1-8b in bf16, one sequence over every chip.
 LLAMA = ("model.preset=llama3.1-8b", "model.dtype=bfloat16", "mesh.data=1",
          "mesh.context=-1", "data.batch_size=1", "attention.impl=pallas")
 # The two small models of tests/test_planner.py's accuracy grid (its FULL_GRID, which

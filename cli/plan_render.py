@@ -59,8 +59,8 @@ def render(result: Plan, console, own_line: str | None = None, title: str = "") 
     console.print(table)
     for p in result.plans:
         if p.compile_failed:
-            console.print(f"[yellow]{p.name}: {escape(p.compiled['error'])}[/] (README, "
-                          f"Failures)", highlight=False, soft_wrap=True)
+            console.print(f"[yellow]{p.name}: {escape(p.compiled['error'])}[/] "
+                          f"(docs/failures.md)", highlight=False, soft_wrap=True)
     for strategy, why in result.skipped.items():
         if strategy != "none":
             console.print(f"[dim]{strategy}: {escape(why)}[/]", highlight=False)

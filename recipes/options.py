@@ -21,7 +21,7 @@ def require(ok: bool, key: str, value: Any, fix: str) -> None:
 
 
 def option(default: Any, help: str) -> Any:
-    """A recipe field with its one-line documentation (used for the README reference)."""
+    """A recipe field with its one-line documentation (docs/recipes.md's reference)."""
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})

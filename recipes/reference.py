@@ -1,6 +1,6 @@
-"""The recipe reference (a Markdown table) generated from the schema; the README embeds it
-once, between START and END, and a test checks that it is current. Rewrite it there with
-`python -m lctrain.recipes.reference README.md` (no argument: print it)."""
+"""The recipe reference (a Markdown table) generated from the schema; docs/recipes.md embeds
+it once, between START and END, and a test checks that it is current. Rewrite it there with
+`python -m lctrain.recipes.reference docs/recipes.md` (no argument: print it)."""
 
 from __future__ import annotations
 

@@ -247,7 +247,7 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
     local_kv = kv_bytes(8192 // len(devices)) * 128 // HEAD_DIM
     found = relayouts_next_to_kernels(text, KERNEL_NAMES[impl], local_kv)
     # Splash's forward writes its logsumexp 128 lanes wide, f32; XLA copies out the lane
-    # kept (README). Ulysses' all-to-all delivers sequence chunks major; one copy per
+    # kept (docs/kernels.md). Ulysses' all-to-all delivers sequence chunks major; one copy per
     # layer interleaves them per head (or back, before the all-to-all home).
     expected = [r for r in found if r.at_all_to_all and strategy in ("ulysses", "usp")
                 or r.kernel.startswith("splash_mha_fwd") and r.side == "result"

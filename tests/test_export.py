@@ -82,7 +82,7 @@ def cli(*args):
 
 
 def test_context_extension_workflow(tmp_path):
-    """A CPU-sized copy of README "Extend a pretrained model's context": an HF model made
+    """A CPU-sized copy of docs/extension.md "Extend a pretrained model's context": an HF model made
     for 32 positions, tokenized text, 3 steps at 128 tokens with yarn on ring (context 4),
     export (the token file deleted by then: only its sidecar names the tokenizer), and
     transformers reloads it with lctrain's loss."""

@@ -193,7 +193,7 @@ def test_a_compile_the_compiler_aborts_is_that_strategys_row(monkeypatch, tmp_pa
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="TPU AOT compiles need libtpu (the tpu extra)")
 def test_plan_compile_survives_a_compiler_failure_on_one_strategy(tmp_path):
-    """The README's Failures case: all_gather's dK/dV reduce-scatter at 3,072 tokens per
+    """docs/failures.md's case: all_gather's dK/dV reduce-scatter at 3,072 tokens per
     chip, which libtpu 0.0.42.1 aborts on (Check failed: s_count.has_value()) and 0.0.50.1
     refuses (UNIMPLEMENTED: No feasible span count ...). The other strategies' figures
     still print, rc 0."""

@@ -53,7 +53,7 @@ def test_estimate_within_tolerance_of_the_compiled_figure(record):
 
 def test_the_mlp_chunk_points_compile_the_1m_recipe():
     """The fit grid's MLP-chunk point is recipes/llama3_8b_1m.yaml on its 4 chips, so the
-    grid checks the estimate the README quotes for it."""
+    grid checks the estimate benchmarks/RESULTS.md quotes for it."""
     from lctrain.recipes import load_recipe
 
     point = grid.Point("fit", "v5p:2x2x1", "ring", "offload_mlp_chunks", 2**20)

@@ -145,7 +145,7 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
     if isinstance(found, list):
         _print_lines(console, report)
         if all(need.refused.startswith(COMPILER_FAILED) for need in found):
-            raise RunFailure(f"{shortfall(found[0], None)} (README, Failures); name another "
+            raise RunFailure(f"{shortfall(found[0], None)} (docs/failures.md); name another "
                              f"parallel.strategy, or another data.seq_len")
         raise DoesNotFit(out_of_device_memory(none_fits(found, memory_limit)))
     return found[0]._replace(report=tuple(report))

@@ -345,7 +345,7 @@ def scan_layers_by_kind(x: jax.Array, stacked: nnx.State, kinds: list[str],
     Each kind's layer is rematerialized inside its switch branch as well as outside: the
     backward then recomputes a layer inside its own branch, and no residual of one kind
     waits beside the other's (the switch alone, or around attention only, holds both:
-    README, "Mixed layers"). The layer input is named outside the switch, where
+    docs/layer-patterns.md). The layer input is named outside the switch, where
     a remat policy can offload it."""
     names = list(fns)
     if len(names) == 1:
