@@ -371,7 +371,8 @@ def _validate_source(recipe: Recipe, key: str = "data") -> None:
 def _validate_mixture(recipe: Recipe) -> None:
     """data.sources: each source exists, the weights are shares, and the mixture opens
     (no source left empty by its length filter, one tokenizer for all)."""
-    from lctrain.trainer.data import DataError, make_source  # numpy only, no jax
+    from lctrain.trainer.data import DataError  # numpy only, no jax
+    from lctrain.trainer.sources import make_source
 
     d = recipe.data
     require(d.source == "synthetic", "data.source", d.source,

@@ -6,14 +6,8 @@ import numpy as np
 import pytest
 
 from lctrain.recipes.schema import DataConfig
-from lctrain.trainer.data import (
-    BYTE_EOS,
-    Batch,
-    DataError,
-    decode_tokens,
-    encode_text,
-    make_source,
-)
+from lctrain.trainer.data import BYTE_EOS, Batch, DataError, decode_tokens, encode_text
+from lctrain.trainer.sources import make_source
 
 
 def config(source, *, seq_len, batch_size=1, eos_id=None, token_dtype="uint16") -> DataConfig:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli.main import app
 from lctrain.recipes import load_recipe
-from lctrain.trainer.data import make_source
+from lctrain.trainer.sources import make_source
 
 from make_hf_model import make_hf_model
 

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.recipes.schema import DataConfig, SourceConfig
-from lctrain.trainer.data import make_source
+from lctrain.trainer.sources import make_source
 from lctrain.trainer.mixture import MixtureSource, long_token_share, tokens_per_source
 from lctrain.trainer.tokenizer import DocumentTokenizer, data_tokenizer, write_sidecar
 

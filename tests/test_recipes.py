@@ -295,7 +295,8 @@ def test_pallas_tiles_stop_a_tpu_compile_before_it_starts(monkeypatch):
 
 
 def test_relative_sources_are_taken_from_the_working_directory(tmp_path, monkeypatch):
-    from lctrain.trainer.data import DataError, make_source
+    from lctrain.trainer.data import DataError
+    from lctrain.trainer.sources import make_source
 
     (tmp_path / "data").mkdir()
     np.save(tmp_path / "data" / "tokens.npy", np.arange(1000, dtype=np.int32) % 100)

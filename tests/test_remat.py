@@ -207,7 +207,7 @@ def forward_kernels_in_backward(sets: list[str]) -> int:
     from jax._src.interpreters.partial_eval import dce_jaxpr
 
     from lctrain.parallel import make_strategy
-    from lctrain.trainer.data import make_source
+    from lctrain.trainer.sources import make_source
     from lctrain.trainer.loop import device_batch
     from lctrain.trainer.step import make_loss_sums
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from lctrain.recipes import RecipeError, load_recipe
-from lctrain.trainer.data import decode_tokens, make_source
+from lctrain.trainer.data import decode_tokens
+from lctrain.trainer.sources import make_source
 from lctrain.trainer.retrieval import Pieces, cell_batches, grid
 
 from test_export import small_tokenizer

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.parallel import make_strategy
 from lctrain.recipes import load_recipe
-from lctrain.trainer.data import make_source
+from lctrain.trainer.sources import make_source
 from lctrain.trainer.init_from import InitFrom, checked_init_from, stage_start
 from lctrain.trainer.loop import mesh_for, train
 from lctrain.trainer.model import Transformer

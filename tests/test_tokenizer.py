@@ -20,7 +20,8 @@ from lctrain.cli.main import app
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.recipes.schema import DataConfig
 from lctrain.trainer.corpus import plan_pieces, tokenize_corpus
-from lctrain.trainer.data import DataError, make_source
+from lctrain.trainer.data import DataError
+from lctrain.trainer.sources import make_source
 from lctrain.trainer.tokenizer import DocumentTokenizer, dtype_for_vocab, write_sidecar
 
 BOS, EOS = 0, 1  # the trainer gives the special tokens the first ids, in order

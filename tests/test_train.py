@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lctrain.recipes import load_recipe
-from lctrain.trainer.data import make_source
+from lctrain.trainer.sources import make_source
 from lctrain.trainer.loop import device_batch, mesh_for, train
 from lctrain.parallel import make_strategy
 from lctrain.trainer.step import build_trainable, make_train_step

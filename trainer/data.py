@@ -259,36 +259,6 @@ def batch_from_windows(windows: np.ndarray, eos_id: int | None) -> Batch:
 # Opening sources (all file errors surface here, before training starts)
 # --------------------------------------------------------------------------------------
 
-def make_source(cfg: DataConfig, *, vocab: int, seed: int, split: str = "train",
-                holdout: float = 0.0) -> DataSource:
-    """The source `cfg.source` names; raises DataError for data that cannot work.
-
-    `holdout` (eval.holdout) keeps every round(1/holdout)-th window of a file out of the
-    "train" split; the "eval" split reads those. Without a holdout, and for synthetic data,
-    the "eval" split draws with another seed: other sequences, or another window order."""
-    if split == "eval" and not (holdout and (cfg.sources or cfg.source != "synthetic")):
-        seed += EVAL_SEED_OFFSET
-    if cfg.sources:
-        from .mixture import make_mixture  # mixture builds on this module
-
-        return make_mixture(cfg, vocab=vocab, seed=seed, split=split,
-                            holdout_stride=holdout_stride(holdout))
-    if cfg.source == "synthetic":
-        if vocab < 2:
-            raise DataError(f"synthetic: needs model.vocab >= 2 (ids 1..vocab-1), got {vocab}")
-        return SyntheticCopySource(cfg, vocab=vocab, seed=seed)
-
-    path = Path(cfg.source)
-    tokens, eos_id = open_stream(path, cfg, vocab, key="data.source")
-    return WindowedStreamSource(tokens, name=str(path), eos_id=eos_id, cfg=cfg, vocab=vocab,
-                                seed=seed, holdout_stride=holdout_stride(holdout), split=split)
-
-
-def holdout_stride(holdout: float) -> int:
-    """eval.holdout as the stride of held-out windows (0: none held out)."""
-    return round(1 / holdout) if holdout else 0
-
-
 def open_stream(path: Path, cfg: DataConfig, vocab: int, *,
                 key: str) -> tuple[np.ndarray, int | None]:
     """The token stream of a token file or text source and the id that ends its documents;

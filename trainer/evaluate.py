@@ -20,7 +20,7 @@ from rich.console import Console
 from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
 
-from .data import make_source
+from .sources import make_source
 from .loop import device_batch, mesh_for
 from .loss import token_scores
 from .progress import Bar, tracked

@@ -27,7 +27,8 @@ from lctrain.recipes import Recipe, RecipeError, check_against_devices
 
 from .checkpoint import Checkpointer
 from .init_from import InitFrom, checked_init_from, stage_start
-from .data import Batch, DataSource, make_source
+from .data import Batch, DataSource
+from .sources import make_source
 from .mixture import MixtureSource, long_token_share, tokens_per_source
 from .failures import DoesNotFit, RunFailure, is_out_of_memory, out_of_device_memory
 from .metrics import MetricsWriter, peak_flops, training_flops_per_token
