@@ -150,6 +150,7 @@ def print_relayouts(topology: str) -> None:
     """Relayout copies beside the kernel calls of a small train step (head dim 128) per
     strategy and kernel, compiled for `topology`."""
     from lctrain.parallel import aot
+    from lctrain.trainer import build
     from lctrain.parallel.hlo_kernels import kernel_calls, relayouts_next_to_kernels
     from lctrain.recipes import load_recipe
 
@@ -165,7 +166,7 @@ def print_relayouts(topology: str) -> None:
                 f"attention.impl={impl}", f"parallel.strategy={strategy}", "mesh.data=1",
                 "mesh.context=-1", "data.seq_len=8192", "data.batch_size=1",
                 *(["parallel.ulysses=2"] if strategy == "usp" else [])])
-            text = aot.compile_train_step(recipe, devices).as_text()
+            text = build.compile_train_step(recipe, devices).as_text()
             found = relayouts_next_to_kernels(text, kernel_names, 1 << 19)
             print(f"{strategy:<12}{impl:<8}{len(kernel_calls(text, kernel_names)):>6}"
                   f"{len(found):>11}", flush=True)

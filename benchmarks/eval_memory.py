@@ -18,6 +18,7 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"  # the topology's devices need no TPU backend
 
 from lctrain.parallel import aot, chips  # noqa: E402
+from lctrain.trainer.evaluate import compile_eval_step  # noqa: E402
 from lctrain.recipes import load_recipe  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def main() -> None:
     for seq_len in args.seq_lens:
         recipe = load_recipe(args.recipe, [f"eval.seq_len={seq_len}", *args.sets])
         start = time.perf_counter()
-        stats = aot.compiled_stats(aot.compile_eval_step(recipe, devices))
+        stats = aot.compiled_stats(compile_eval_step(recipe, devices))
         print(f"eval.seq_len {seq_len:>10,}: {stats.hbm_bytes / 1e9:6.2f} GB per device "
               f"(parameters {stats.argument_bytes / 1e9:.2f} GB, temporaries "
               f"{stats.temp_bytes / 1e9:.2f} GB) -> "

@@ -96,7 +96,7 @@ def main() -> None:
 
     from lctrain.recipes import load_recipe
     from lctrain.trainer.hf_checkpoint import load_params
-    from lctrain.trainer.loop import mesh_for
+    from lctrain.trainer.build import mesh_for
     from lctrain.trainer.step import build_trainable
 
     recipe = load_recipe("tiny", [f"model.init=hf:{args.dir}", "mesh.data=1", "mesh.fsdp=8",

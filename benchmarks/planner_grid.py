@@ -208,10 +208,11 @@ def needed_bytes(error: str) -> dict[str, int]:
 def compile_point(point: Point, devices) -> dict:
     """One record: the point, the versions and commit, XLA's figures and the seconds."""
     from lctrain.parallel import planner
+    from lctrain.trainer.build import compile_train_step
     recipe, _ = recipe_and_mesh(point.topology, point.overrides)
     start = time.monotonic()
     try:
-        figures = planner.compile_figures(recipe, devices)
+        figures = planner.compile_figures(recipe, devices, compile_train_step)
     except Exception as err:  # kept as a record, so a resumed run does not retry it forever
         figures = {"hbm_bytes": None, "crashed": True,
                    "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}

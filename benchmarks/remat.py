@@ -34,6 +34,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax.numpy as jnp  # noqa: E402
 
 from lctrain.parallel import aot  # noqa: E402
+from lctrain.trainer import build  # noqa: E402
 from lctrain.recipes import RecipeError, load_recipe  # noqa: E402
 from lctrain.trainer.remat import MATMUL_OUTPUTS  # noqa: E402
 
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     for case in args.cases:
         start = time.perf_counter()
         try:
-            compiled = aot.compile_train_step(load_recipe("tiny", sets + CASES[case]), devices)
+            compiled = build.compile_train_step(load_recipe("tiny", sets + CASES[case]), devices)
         except RecipeError as err:
             print(f"{case:<17}  skipped: {err}")
             continue

@@ -25,6 +25,7 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 from lctrain.parallel import aot  # noqa: E402
+from lctrain.trainer import build  # noqa: E402
 from lctrain.recipes import RecipeError, load_recipe  # noqa: E402
 
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
             try:
                 recipe = load_recipe(args.recipe, sets + case)
                 start = time.perf_counter()
-                stats = aot.compiled_stats(aot.compile_train_step(recipe, devices))
+                stats = aot.compiled_stats(build.compile_train_step(recipe, devices))
             except RecipeError as err:
                 print(f"{strategy:<11}{seq_len:>8}  skipped: {err}")
                 continue

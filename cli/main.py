@@ -130,15 +130,18 @@ def plan(
             fail(f"--compile needs a TPU topology (libtpu), got '{topology}'")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         from lctrain.parallel import aot
+        from lctrain.trainer.build import compile_train_step
         try:
             devices = aot.topology_devices(topology, slices)
         except (RuntimeError, ValueError) as err:
             fail(str(err))
         planner.attach_compiled(
-            result, loaded, devices, timed=compile_timer, use_cache=not no_cache,
+            result, loaded, devices, compile_train_step, timed=compile_timer,
+            use_cache=not no_cache,
             make_devices=functools.partial(aot.topology_devices, topology, slices))
-    longest = (planner.longest_sequences(result, loaded, platform, devices, compile_timer,
-                                         use_cache=not no_cache)
+    longest = (planner.longest_sequences(result, loaded, platform, devices,
+                                         compile_train_step if compile_ else None,
+                                         compile_timer, use_cache=not no_cache)
                if max_seq else {})
     own_line = (planner.against_recipe(result, own)
                 if isinstance(own, str) and own not in ("auto", "none") else None)

@@ -13,14 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
-
-import jax
-import jax.numpy as jnp
 
 from lctrain.parallel.hlo import bytes_by_kind, collective_ops
 from lctrain.parallel.native_stderr import shown_only_on_failure
-from lctrain.recipes.schema import Recipe
 
 # ------------------------------------------------------------------ devices ----
 
@@ -49,43 +44,6 @@ def topology_devices(name: str, slices: int = 1) -> list:
 
 
 # ------------------------------------------------------------------ compile ----
-
-def compile_train_step(recipe: Recipe, devices) -> Any:
-    """The compiled train step (jax.stages.Compiled) of `recipe` on `devices`, built and
-    lowered with abstract state and batch as the real run does it (trainer.loop.build_run)."""
-    from lctrain.trainer.loop import build_run
-
-    return build_run(recipe, devices).train_step
-
-
-def compile_eval_step(recipe: Recipe, devices) -> Any:
-    """The compiled evaluation step of `lctrain eval` (forward only, loss and accuracy by
-    position at eval.seq_len) on `devices`, lowered with abstract parameters and batch."""
-    from lctrain.parallel import make_strategy
-    from lctrain.trainer.evaluate import make_bucket_sums, position_edges
-    from lctrain.trainer.loop import mesh_for
-    from lctrain.trainer.step import build_trainable
-
-    mesh = mesh_for(recipe, devices)
-    recipe = recipe.for_evaluation()
-    trainable = build_trainable(recipe, mesh)
-    bucket_sums = jax.jit(make_bucket_sums(recipe, trainable.graphdef,
-                                           make_strategy(recipe, mesh),
-                                           position_edges(recipe.data.seq_len)))
-    return bucket_sums.lower(trainable.abstract_state.params,
-                             abstract_batch(recipe, mesh)).compile()
-
-
-def abstract_batch(recipe: Recipe, mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    """The batch's shapes, dtypes and shardings, for lowering without data."""
-    from lctrain.trainer.step import BATCH_FIELDS, batch_shardings
-
-    shape = (recipe.data.batch_size, recipe.data.seq_len)
-    shardings = batch_shardings(mesh)
-    return {name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == "loss_mask" else jnp.int32,
-                                       sharding=shardings[name])
-            for name in BATCH_FIELDS}
-
 
 # -------------------------------------------------------------------- stats ----
 

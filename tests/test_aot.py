@@ -12,6 +12,7 @@ import math
 import pytest
 
 from lctrain.parallel import aot
+from lctrain.trainer import build
 from lctrain.parallel.hlo_kernels import relayouts_next_to_kernels
 from lctrain.recipes import load_recipe
 
@@ -60,7 +61,7 @@ def _compiled(strategy: str, seq_len: int, extra: tuple[str, ...]) -> aot.Compil
     if strategy == "usp":
         overrides.append("parallel.ulysses=2")
     recipe = load_recipe("tiny", overrides)
-    stats = aot.compiled_stats(aot.compile_train_step(recipe, aot.topology_devices(TOPOLOGY)))
+    stats = aot.compiled_stats(build.compile_train_step(recipe, aot.topology_devices(TOPOLOGY)))
     print(f"\n{strategy} s={seq_len}: temp {stats.temp_bytes:,} hbm {stats.hbm_bytes:,} "
           f"collectives {stats.collective_bytes}")
     assert stats.unknown_trip_counts == 0
@@ -155,7 +156,7 @@ def temp_bytes_at_fixed_chunk(strategy: str, topology: str) -> int:
     recipe = load_recipe("tiny", [*MODEL_SETS, "model.n_kv_heads=8", f"parallel.strategy={strategy}",
                                 "mesh.data=1", "mesh.context=-1", "data.batch_size=1",
                                 f"data.seq_len={CHUNK * chips}"])
-    stats = aot.compiled_stats(aot.compile_train_step(recipe, aot.topology_devices(topology)))
+    stats = aot.compiled_stats(build.compile_train_step(recipe, aot.topology_devices(topology)))
     print(f"\n{strategy} {topology} s={CHUNK * chips}: temp {stats.temp_bytes:,}")
     return stats.temp_bytes
 
@@ -239,7 +240,7 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
     if strategy == "usp":
         overrides.append("parallel.ulysses=2")
     devices = aot.topology_devices(topology)
-    text = aot.compile_train_step(load_recipe("tiny", overrides), devices).as_text()
+    text = build.compile_train_step(load_recipe("tiny", overrides), devices).as_text()
     mosaic_calls = [line for line in text.splitlines()
                     if 'custom_call_target="tpu_custom_call"' in line]
     for kernel in KERNEL_NAMES[impl]:

@@ -13,7 +13,7 @@ from rich.console import Console
 from lctrain.parallel.auto import CompiledNeed, first_that_fits, none_fits, refused_need
 from lctrain.parallel.chips import gigabytes
 from lctrain.recipes import load_recipe
-from lctrain.trainer import loop
+from lctrain.trainer import build, loop
 from lctrain.trainer.failures import DoesNotFit, explain, out_of_device_memory
 
 # Two devices, one layer, 128 tokens: a compile takes seconds on CPU, and auto's ranking
@@ -62,8 +62,8 @@ def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compil
         executables.append(compiled)
         return real_need(name, compiled)
 
-    real_need = loop.compiled_need
-    monkeypatch.setattr(loop, "compiled_need", spy)
+    real_need = build.compiled_need
+    monkeypatch.setattr(build, "compiled_need", spy)
     # No limit on CPU: a run compiles its first choice once (not again at the first step)
     # and prints the executable's own figure.
     console = recorded()
@@ -80,7 +80,7 @@ def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compil
     limit = first_need - 1
     console = recorded()
     recipe = load_recipe("tiny", SMALL)
-    run = loop.compile_run(recipe, devices, console, memory_limit=limit)
+    run = build.compile_run(recipe, devices, console, memory_limit=limit)
     printed = "\n".join(run.report)
     assert recipe.parallel.strategy == run.strategy.name == ranking[1]
     assert len(compiles) == 2 and run.train_step is executables[-1]

@@ -6,7 +6,7 @@ import numpy as np
 
 from lctrain.recipes import load_recipe
 from lctrain.trainer.checkpoint import Checkpointer
-from lctrain.trainer.loop import mesh_for
+from lctrain.trainer.build import mesh_for
 from lctrain.trainer.step import build_trainable
 
 

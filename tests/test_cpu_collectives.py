@@ -15,7 +15,6 @@ backward is independent of the first forward.
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -25,14 +24,14 @@ from subprocess_env import subprocess_env
 
 REPEATS = 4
 ONE_LAYER_RING = ("from lctrain.recipes import load_recipe; import sys, jax, json; "
-                  "from lctrain.trainer import loop; "
+                  "from lctrain.trainer import build; "
                   "from lctrain.trainer.sources import make_source; "
                   "from lctrain.trainer.step import initial_state; "
-                  "r = load_recipe('tiny', sys.argv[1:]); run = loop.build_run(r, jax.devices()); "
+                  "r = load_recipe('tiny', sys.argv[1:]); run = build.build_run(r, jax.devices()); "
                   "src = make_source(r.data, vocab=r.model.vocab, seed=0, holdout=0); "
                   "order = run.strategy.sequence_order(r.data.seq_len); "
                   "print(json.dumps([float(run.train_step(initial_state(r, run.trainable), "
-                  "loop.device_batch(src, 0, order, run.mesh))[1]['loss']) "
+                  "build.device_batch(src, 0, order, run.mesh))[1]['loss']) "
                   f"for _ in range({REPEATS})]))")
 SETS = ["model.layers=1", "data.seq_len=1024", "data.batch_size=2", "mesh.context=4",
         "remat.policy=full", "runtime.cpu_devices=8"]

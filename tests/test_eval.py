@@ -74,7 +74,7 @@ def test_bucket_sums_equal_a_hand_computation(strategy, mesh):
     from lctrain.parallel import make_strategy
     from lctrain.trainer.data import Batch
     from lctrain.trainer.evaluate import make_bucket_sums, position_edges
-    from lctrain.trainer.loop import device_batch, mesh_for
+    from lctrain.trainer.build import device_batch, mesh_for
     from lctrain.trainer.model import Transformer
     from lctrain.trainer.step import BATCH_FIELDS
 
@@ -140,7 +140,7 @@ def test_pallas_tiles_are_checked_at_eval_seq_len_when_training_evaluates(every)
     (2000-token chunks) does not; `lctrain eval` and a run with eval.every must refuse it
     before compiling, a run that never evaluates need not."""
     from lctrain.recipes import RecipeError
-    from lctrain.trainer.loop import mesh_for
+    from lctrain.trainer.build import mesh_for
 
     recipe = load_recipe("tiny", ["parallel.strategy=ring", "mesh.context=4", "mesh.data=1",
                                 "data.batch_size=1", "data.seq_len=8192", "eval.seq_len=8000",

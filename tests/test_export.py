@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.recipes import load_run_recipe
 from lctrain.trainer.hf_export import export_hf
-from lctrain.trainer.loop import mesh_for
+from lctrain.trainer.build import mesh_for
 from lctrain.trainer.safetensors_io import INDEX_FILE, SafetensorsFolder
 from lctrain.trainer.step import build_trainable
 from lctrain.trainer.weights import load_weights

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.parallel import chips, planner
 from lctrain.recipes import check_against_devices, load_recipe
-from lctrain.trainer import loop
+from lctrain.trainer import build, loop
 from lctrain.trainer.failures import explain, out_of_memory_message
 from lctrain.trainer.progress import Bar, tracked
 
@@ -30,7 +30,7 @@ def allocating_too_much(*args):
 
 
 def test_out_of_memory_is_one_line_with_the_figure_and_the_planner(tmp_path, monkeypatch):
-    monkeypatch.setattr(loop, "make_train_step", allocating_too_much)
+    monkeypatch.setattr(build, "make_train_step", allocating_too_much)
     result = CliRunner().invoke(app, ["run", "--steps", "2", "--run-dir", str(tmp_path), *SHORT])
     assert result.exit_code == 1, result.output
     error = [line for line in result.output.splitlines() if line.startswith("error:")]
@@ -40,7 +40,7 @@ def test_out_of_memory_is_one_line_with_the_figure_and_the_planner(tmp_path, mon
 
 
 def test_debug_shows_the_traceback_of_an_expected_failure(tmp_path, monkeypatch):
-    monkeypatch.setattr(loop, "make_train_step", allocating_too_much)
+    monkeypatch.setattr(build, "make_train_step", allocating_too_much)
     result = CliRunner().invoke(app, ["--debug", "run", "--steps", "2", "--run-dir",
                                       str(tmp_path), *SHORT])
     assert type(result.exception).__name__ == "JaxRuntimeError"
@@ -50,7 +50,7 @@ def test_debug_shows_the_traceback_of_an_expected_failure(tmp_path, monkeypatch)
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
     def broken(*args):
         raise ZeroDivisionError("a bug")
-    monkeypatch.setattr(loop, "make_train_step", broken)
+    monkeypatch.setattr(build, "make_train_step", broken)
     result = CliRunner().invoke(app, ["run", "--steps", "2", "--run-dir", str(tmp_path), *SHORT])
     assert isinstance(result.exception, ZeroDivisionError) and result.exit_code == 1
 
@@ -118,7 +118,7 @@ def test_plan_compiles_are_each_timed(monkeypatch):
     result = planner.plan(recipe, chips.chip_named("v5p:2x2x1").per_device(),
                           check_against_devices(recipe, 4), "tpu")
     monkeypatch.setattr(planner.compiled, "compile_figures",
-                        lambda candidate, devices: {"hbm_bytes": 2**30 if
+                        lambda candidate, devices, compile_step: {"hbm_bytes": 2**30 if
                                                     candidate.data.seq_len <= 8192 else 2**40,
                                                     "host_bytes": 0, "collective_bytes": {},
                                                     "temp_bytes": 0, "argument_bytes": 0})
@@ -128,10 +128,10 @@ def test_plan_compiles_are_each_timed(monkeypatch):
         labels.append(label)
         return contextlib.nullcontext()
 
-    planner.attach_compiled(result, recipe, devices=[None] * 4, timed=timer)
+    planner.attach_compiled(result, recipe, [None] * 4, None, timed=timer)
     assert labels == [f"compiled {p.name}, seq 4,096, for 4 devices" for p in result.plans]
     labels.clear()
-    longest = planner.longest_sequences(result, recipe, "tpu", [None] * 4, timer)
+    longest = planner.longest_sequences(result, recipe, "tpu", [None] * 4, None, timer)
     compiles = sum(1 for label in labels if ", seq " in label)
     assert compiles == len(labels) and compiles >= len(result.plans)
     assert all(figures["compiled"] == 8192 for figures in longest.values())

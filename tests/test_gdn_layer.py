@@ -18,7 +18,7 @@ from lctrain.parallel.chips import CHIPS
 from lctrain.parallel.cost_model import F32
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.trainer.gdn_layer import GatedDeltaNet
-from lctrain.trainer.loop import mesh_for
+from lctrain.trainer.build import mesh_for
 
 from test_strategies import loss_and_grads, recipe_for
 

@@ -15,7 +15,7 @@ from lctrain.kernels import attention
 from lctrain.parallel import make_strategy
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.trainer.data import Batch
-from lctrain.trainer.loop import device_batch, mesh_for
+from lctrain.trainer.build import device_batch, mesh_for
 from lctrain.trainer.step import BATCH_FIELDS, build_trainable, initial_state, make_loss_sums
 
 from make_hf_model import make_hf_model

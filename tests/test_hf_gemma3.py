@@ -17,7 +17,7 @@ from lctrain.parallel import make_strategy, planner
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.trainer.hf_config import check_exportable
 from lctrain.trainer.hf_export import export_hf
-from lctrain.trainer.loop import mesh_for
+from lctrain.trainer.build import mesh_for
 from lctrain.trainer.model import count_parameters
 from lctrain.trainer.resume import check_rerun
 from lctrain.trainer.step import make_forward

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.parallel import make_strategy
 from lctrain.recipes import RecipeError, load_recipe
-from lctrain.trainer.loop import mesh_for
+from lctrain.trainer.build import mesh_for
 from lctrain.trainer.model import Transformer, rotary_tables
 from lctrain.trainer.step import make_forward
 

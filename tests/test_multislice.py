@@ -237,11 +237,12 @@ def test_two_slice_train_step_sends_only_data_traffic_across_slices():
     all-reduces cross; every collective-permute of the ring stays in its slice, with the
     bytes the planner counts; the DCN bytes are at least the planner's floor."""
     from lctrain.parallel import aot, hlo
+    from lctrain.trainer import build
 
     recipe = load_recipe("tiny", [*TINY, "data.seq_len=1024", "mesh.data=2", "mesh.context=4",
                                 "mesh.dcn_data=2"])
     devices = aot.topology_devices("v5p:2x2x1", slices=2)
-    text = aot.compile_train_step(recipe, devices).as_text()
+    text = build.compile_train_step(recipe, devices).as_text()
     ops, unknown = hlo.collective_ops(text)
     assert unknown == 0 and "num_partitions=4," in text
     in_slice = [op for op in ops if not op.dcn]

@@ -38,7 +38,7 @@ def compiles(monkeypatch, tmp_path) -> list:
     monkeypatch.setenv("LCTRAIN_CACHE", str(tmp_path / "cache"))
     asked = []
 
-    def fake_compile(recipe, devices):
+    def fake_compile(recipe, devices, compile_step):
         asked.append(recipe)
         if recipe.parallel.strategy == "ring":
             return {"hbm_bytes": None, "host_bytes": None, "collective_bytes": None,
@@ -55,7 +55,7 @@ def attach(overrides=(), devices=V5P_2X2X1):
     recipe = load_recipe("tiny", [*BASE, *overrides])
     result = planner.plan(recipe, V5P, check_against_devices(recipe, 4), "tpu")
     console = Console(file=io.StringIO(), width=200)
-    planner.attach_compiled(result, recipe, devices,
+    planner.attach_compiled(result, recipe, devices, None,
                             timed=functools.partial(timed, console))
     return result, console.file.getvalue()
 
@@ -89,14 +89,14 @@ def test_a_changed_recipe_value_or_topology_compiles_again(compiles, changed):
 def test_max_seq_search_reads_the_cache(compiles):
     recipe = load_recipe("tiny", BASE)
     result = planner.plan(recipe, V5P, check_against_devices(recipe, 4), "tpu")
-    first = planner.longest_sequences(result, recipe, "tpu", V5P_2X2X1)
+    first = planner.longest_sequences(result, recipe, "tpu", V5P_2X2X1, None)
     searched = len(compiles)
     assert searched > len(result.plans)
     compiles.clear()
-    assert planner.longest_sequences(result, recipe, "tpu", V5P_2X2X1) == first
+    assert planner.longest_sequences(result, recipe, "tpu", V5P_2X2X1, None) == first
     assert compiles == []
     # --no-cache: every length compiles again.
-    assert planner.longest_sequences(result, recipe, "tpu", V5P_2X2X1,
+    assert planner.longest_sequences(result, recipe, "tpu", V5P_2X2X1, None,
                                      use_cache=False) == first
     assert len(compiles) == searched
 
@@ -131,6 +131,7 @@ def test_processes_give_the_serial_figures(monkeypatch, tmp_path):
     strategies and give the figures of compiling them here, in this process (without
     make_devices)."""
     from lctrain.parallel import aot
+    from lctrain.trainer.build import compile_train_step
 
     recipe = load_recipe("tiny", [*BASE, "model.layers=1", "model.dtype=bfloat16",
                                 "attention.impl=xla", "data.seq_len=1024"])
@@ -139,7 +140,7 @@ def test_processes_give_the_serial_figures(monkeypatch, tmp_path):
     here = []
     real_compile = compiled.compile_figures
     monkeypatch.setattr(compiled, "compile_figures",
-                        lambda r, d: here.append(r) or real_compile(r, d))
+                        lambda r, d, step: here.append(r) or real_compile(r, d, step))
     runs = {}
     for workers in (2, 1):
         monkeypatch.setenv("LCTRAIN_CACHE", str(tmp_path / f"cache{workers}"))
@@ -147,8 +148,9 @@ def test_processes_give_the_serial_figures(monkeypatch, tmp_path):
         result.plans = result.plans[:2]
         console = Console(file=io.StringIO(), width=200)
         rebuild = functools.partial(aot.topology_devices, "v5p:2x2x1") if workers > 1 else None
-        planner.attach_compiled(result, recipe, devices, functools.partial(timed, console),
-                                make_devices=rebuild, workers=workers)
+        planner.attach_compiled(result, recipe, devices, compile_train_step,
+                                functools.partial(timed, console), make_devices=rebuild,
+                                workers=workers)
         runs[workers] = ([p.compiled for p in result.plans], console.file.getvalue())
     assert len(here) == len(result.plans)              # the in-process run only
     assert runs[2][0] == runs[1][0]
@@ -175,7 +177,7 @@ def test_a_compile_the_compiler_aborts_is_that_strategys_row(monkeypatch, tmp_pa
     result = planner.plan(recipe, V5P, check_against_devices(recipe, 4), "tpu")
     console = Console(file=io.StringIO(), width=200)
     aborted = result.plans[0]
-    figures = compiled.compile_in_processes({"compiled x": recipe}, aborting_devices, 1,
+    figures = compiled.compile_in_processes({"compiled x": recipe}, aborting_devices, None, 1,
                                             functools.partial(timed, console))["compiled x"]
     assert figures == {"hbm_bytes": None, "host_bytes": None, "collective_bytes": None,
                        "error": "compiler aborted: Check failed: s_count.has_value() "

@@ -19,9 +19,14 @@ refit = pytest.importorskip("refit_planner")
 
 TOLERANCE = 0.15
 RECOMPILE_TOLERANCE = 0.005
-# Points the formulas do not follow yet (refit_planner.label -> error measured with
-# today's CALIBRATION): each is expected to fail, and passes the day the planner follows it.
-OUTSIDE: dict[str, float] = {}
+# Points the formulas do not follow yet, by libtpu release (refit_planner.label -> error
+# measured with today's CALIBRATION, which was fitted on 0.0.42.1): each is expected to
+# fail, and passes the day the planner follows it. The plan says so for other releases
+# (parallel/planner/accuracy.ELSEWHERE).
+OUTSIDE_BY_LIBTPU: dict[str, dict[str, float]] = {
+    "0.0.50.1": {"tiny512 v5p:2x2x1 8K full all_gather": 0.171},
+}
+OUTSIDE = OUTSIDE_BY_LIBTPU.get(grid.versions()["libtpu"], {})
 
 RECORDS = refit.usable(grid.load_records())
 

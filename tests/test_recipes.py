@@ -283,13 +283,14 @@ def test_pallas_tiles_stop_a_tpu_compile_before_it_starts(monkeypatch):
     import jax
 
     from lctrain.parallel import aot
-    from lctrain.trainer.loop import mesh_for
+    from lctrain.trainer import build
+    from lctrain.trainer.build import mesh_for
 
     recipe = load_recipe("tiny", [*PALLAS_8000, "mesh.data=1", "data.batch_size=1"])
     devices = aot.topology_devices("v5p:2x2x1")
     monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("jit before the check"))
     with pytest.raises(RecipeError, match="'attention.impl' = 'pallas'.*multiple of 512"):
-        aot.compile_train_step(recipe, devices)
+        build.compile_train_step(recipe, devices)
     assert mesh_for(load_recipe("tiny", [*PALLAS_8000, "mesh.data=1", "data.batch_size=1",
                                        "data.seq_len=8192"]), devices).shape["context"] == 4
 

@@ -28,7 +28,8 @@ from rich.console import Console
 from lctrain.recipes import load_recipe
 from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import RecipeError
-from lctrain.trainer.loop import mesh_for, train
+from lctrain.trainer.loop import train
+from lctrain.trainer.build import mesh_for
 from lctrain.trainer.model import count_parameters
 from lctrain.trainer.step import build_trainable
 
@@ -60,8 +61,9 @@ CASES = {
 def compiled(case: str):
     """(memory_analysis(), optimized HLO text) of the AOT case."""
     from lctrain.parallel import aot
+    from lctrain.trainer import build
     recipe = load_recipe("tiny", AOT_SETS + CASES[case])
-    program = aot.compile_train_step(recipe, aot.topology_devices(TOPOLOGY))
+    program = build.compile_train_step(recipe, aot.topology_devices(TOPOLOGY))
     return program.memory_analysis(), program.as_text()
 
 
@@ -208,7 +210,7 @@ def forward_kernels_in_backward(sets: list[str]) -> int:
 
     from lctrain.parallel import make_strategy
     from lctrain.trainer.sources import make_source
-    from lctrain.trainer.loop import device_batch
+    from lctrain.trainer.build import device_batch
     from lctrain.trainer.step import make_loss_sums
 
     recipe = load_recipe("tiny", ["attention.impl=pallas", "data.seq_len=256", *sets])
@@ -251,11 +253,12 @@ MLP_INTERMEDIATE = 65536 // DEVICES * 1792 * 2                    # [tokens, d_f
 
 def ring_peak(monkeypatch, fenced: bool) -> int:
     from lctrain.parallel import aot
+    from lctrain.trainer import build
     from lctrain.trainer import model
     if not fenced:
         monkeypatch.setattr(model, "gradients_together", lambda *arrays: arrays)
     recipe = load_recipe("tiny", RING_SETS)
-    return aot.compile_train_step(recipe, aot.topology_devices(TOPOLOGY)
+    return build.compile_train_step(recipe, aot.topology_devices(TOPOLOGY)
                                   ).memory_analysis().peak_memory_in_bytes
 
 

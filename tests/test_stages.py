@@ -20,7 +20,8 @@ from lctrain.parallel import make_strategy
 from lctrain.recipes import load_recipe
 from lctrain.trainer.sources import make_source
 from lctrain.trainer.init_from import InitFrom, checked_init_from, stage_start
-from lctrain.trainer.loop import mesh_for, train
+from lctrain.trainer.loop import train
+from lctrain.trainer.build import mesh_for
 from lctrain.trainer.model import Transformer
 from lctrain.trainer.step import build_trainable, make_loss_sums
 

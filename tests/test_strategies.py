@@ -12,7 +12,7 @@ from flax import nnx
 from lctrain.parallel import STRATEGIES, load_balanced_order, make_strategy
 from lctrain.recipes import load_recipe
 from lctrain.trainer.data import Batch
-from lctrain.trainer.loop import device_batch, mesh_for
+from lctrain.trainer.build import device_batch, mesh_for
 from lctrain.trainer.model import Transformer
 from lctrain.trainer.step import BATCH_FIELDS, make_loss_sums
 

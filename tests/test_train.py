@@ -13,7 +13,8 @@ import pytest
 
 from lctrain.recipes import load_recipe
 from lctrain.trainer.sources import make_source
-from lctrain.trainer.loop import device_batch, mesh_for, train
+from lctrain.trainer.loop import train
+from lctrain.trainer.build import device_batch, mesh_for
 from lctrain.parallel import make_strategy
 from lctrain.trainer.step import build_trainable, make_train_step
 from subprocess_env import subprocess_env

@@ -21,7 +21,7 @@ from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
 
 from .sources import make_source
-from .loop import device_batch, mesh_for
+from .build import abstract_batch, device_batch, mesh_for
 from .loss import token_scores
 from .progress import Bar, tracked
 from .retrieval import OneBatch, cell_batches, grid
@@ -149,3 +149,17 @@ def summary(totals: dict[str, np.ndarray], edges: np.ndarray, recipe: Recipe,
                             "loss": (totals["loss"] / per_token).tolist(),
                             "accuracy": (totals["correct"] / per_token).tolist(),
                             "tokens": tokens.astype(int).tolist()}}
+
+
+def compile_eval_step(recipe: Recipe, devices) -> jax.stages.Compiled:
+    """The compiled evaluation step of `lctrain eval` (forward only, loss and accuracy by
+    position at eval.seq_len) on `devices` (a TPU topology's, parallel/aot.py), lowered with
+    abstract parameters and batch."""
+    mesh = mesh_for(recipe, devices)
+    recipe = recipe.for_evaluation()
+    trainable = build_trainable(recipe, mesh)
+    bucket_sums = jax.jit(make_bucket_sums(recipe, trainable.graphdef,
+                                           make_strategy(recipe, mesh),
+                                           position_edges(recipe.data.seq_len)))
+    return bucket_sums.lower(trainable.abstract_state.params,
+                             abstract_batch(recipe, mesh)).compile()

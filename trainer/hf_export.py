@@ -21,7 +21,7 @@ from lctrain.recipes.schema import Recipe
 from .hf_checkpoint import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
 from .hf_config import check_exportable, config_json
 from .safetensors_io import write_folder
-from .loop import mesh_for
+from .build import mesh_for
 from .output_files import replaced
 from .progress import Bar
 from .step import build_trainable

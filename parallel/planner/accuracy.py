@@ -20,9 +20,23 @@ global layers alone (88.27 GB against 73.29 GB compiled).
 
 from __future__ import annotations
 
+import functools
 import math
+from importlib import metadata
 
 from lctrain.recipes.schema import Recipe
+
+# The TPU compiler CALIBRATION was fitted with (Python 3.11's toolchain), and how far the
+# estimate is from what other libtpu releases compile, measured on the grid's points
+# recorded with them (`python benchmarks/planner_grid.py`, then
+# `python benchmarks/refit_planner.py` with that toolchain installed).
+CALIBRATED_LIBTPU = "0.0.42.1"
+ELSEWHERE = {
+    # jax 0.12.0.1 (Python 3.12), 2026-12-05: the small models' 24 points only; the
+    # llama3.1-8b grid is not recorded with it.
+    "0.0.50.1": "within 17.1% (rms 8.8%) of the small models' compiled grid, the "
+                "llama3.1-8b grid unmeasured",
+}
 
 # Up to 4 chips and 128K tokens per chip every strategy's estimate is within 10% of the
 # compiled grid (9.6% at worst); beyond 128K per chip within 12.6%. On 64 chips it is
@@ -44,6 +58,11 @@ def estimate_note(recipe: Recipe, axis_sizes: dict[str, int]) -> str | None:
         reasons.append(f"at {tokens_per_chip // 1024}K tokens per chip it is within 13% of "
                        f"the compiled points, figures that one scheduling change in the "
                        f"model moved by up to 22%")
+    libtpu = installed_libtpu()
+    if libtpu not in (None, CALIBRATED_LIBTPU):
+        reasons.append(f"its calibration comes from libtpu {CALIBRATED_LIBTPU}; with the "
+                       f"installed {libtpu} it is "
+                       f"{ELSEWHERE.get(libtpu, 'not measured against the compiler')}")
     if recipe.model.switches_layer_kinds():
         reasons.append("with global and sliding layers (recipes/gemma3_like_8b_1m.yaml at "
                        "1M tokens on 4 chips) it ran within 7% of XLA's figure with "
@@ -54,3 +73,12 @@ def estimate_note(recipe: Recipe, axis_sizes: dict[str, int]) -> str | None:
     return ("the memory estimate is rough here: on the compiled grid "
             "(benchmarks/data/planner_grid.jsonl) " + "; ".join(reasons)
             + "; use --compile for XLA's own figure")
+
+
+@functools.cache
+def installed_libtpu() -> str | None:
+    """The libtpu release installed (the tpu extra), None without it."""
+    try:
+        return metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return None

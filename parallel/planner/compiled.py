@@ -23,13 +23,17 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.planner.choice import recommend
 from lctrain.parallel.planner.estimate import recipe_for_plan
 from lctrain.parallel.planner.results import ABORTED, COMPILER_FAILED, Plan, is_xla_error
 from lctrain.recipes.schema import Recipe
+
+# What compiles a recipe's train step for devices: trainer.build.compile_train_step, which
+# the caller hands in (the planner sits below the trainer and imports none of it).
+CompileStep = Callable[[Recipe, list], Any]
 
 # What the compiling functions wrap each compile in, given its label (the CLI shows a
 # spinner and the elapsed time: each compile can take minutes). What it yields may take a
@@ -51,7 +55,7 @@ _FATAL_LINE = re.compile(r"^F\d{4} [\d:.]+\s+\d+ ([\w./-]+:\d+)\] ")
 _DEVICE_FIELDS = ("platform", "device_kind", "coords", "core_on_chip", "slice_index")
 
 
-def compile_figures(recipe: Recipe, devices) -> dict:
+def compile_figures(recipe: Recipe, devices, compile_step: CompileStep) -> dict:
     """XLA's own per-device figures for the recipe's train step on `devices` (a TPU
     topology from parallel.aot.topology_devices): {"hbm_bytes", "host_bytes",
     "collective_bytes"}, or {"hbm_bytes": None, "error": ...} when XLA refuses the program:
@@ -59,7 +63,7 @@ def compile_figures(recipe: Recipe, devices) -> dict:
     its own (e.g. UNIMPLEMENTED for a collective it cannot emit: "compiler failed: ...")."""
     from lctrain.parallel import aot
     try:
-        stats = aot.compiled_stats(aot.compile_train_step(recipe, devices))
+        stats = aot.compiled_stats(compile_step(recipe, devices))
     except Exception as err:                      # XLA's errors come as JaxRuntimeError
         if not is_xla_error(err):
             raise
@@ -147,8 +151,8 @@ def _finish(timing, label: str, outcome: str) -> None:
         timing.label, timing.outcome = label, outcome
 
 
-def cached_figures(recipe: Recipe, devices, label: str, timed: Timer,
-                   use_cache: bool = True) -> dict:
+def cached_figures(recipe: Recipe, devices, compile_step: CompileStep, label: str,
+                   timed: Timer, use_cache: bool = True) -> dict:
     """compile_figures under the timer, or (use_cache) what an earlier compile of the same
     key recorded, the timer's line then saying "cached"."""
     key = cache_key(recipe, devices) if use_cache else None
@@ -157,7 +161,7 @@ def cached_figures(recipe: Recipe, devices, label: str, timed: Timer,
         if figures is not None:
             _finish(timing, label, "cached")
             return figures
-        figures = compile_figures(recipe, devices)
+        figures = compile_figures(recipe, devices, compile_step)
     write_cached(key, figures)
     return figures
 
@@ -171,8 +175,8 @@ def compile_workers(jobs: int) -> int:
     return max(1, min(jobs, os.cpu_count() or 1, available // COMPILE_HOST_BYTES))
 
 
-def _compile_in_worker(make_devices: Callable[[], list], recipe: Recipe,
-                       stderr_path: str) -> tuple[dict, float]:
+def _compile_in_worker(make_devices: Callable[[], list], compile_step: CompileStep,
+                       recipe: Recipe, stderr_path: str) -> tuple[dict, float]:
     """Runs in a fresh process: the devices are rebuilt there (they do not pickle). Its
     native stderr goes to `stderr_path`, where the parent finds the compiler's last words
     if libtpu aborts the process."""
@@ -180,7 +184,7 @@ def _compile_in_worker(make_devices: Callable[[], list], recipe: Recipe,
         os.dup2(log.fileno(), 2)
     devices = make_devices()
     start = time.perf_counter()
-    return compile_figures(recipe, devices), time.perf_counter() - start
+    return compile_figures(recipe, devices, compile_step), time.perf_counter() - start
 
 
 def aborted_figures(stderr: str) -> dict:
@@ -196,14 +200,15 @@ def aborted_figures(stderr: str) -> dict:
             "error": f"{ABORTED}: {reason}"}
 
 
-def _one_compile(make_devices: Callable[[], list], recipe: Recipe, folder: str,
-                 label: str) -> tuple[ProcessPoolExecutor, Future, str]:
+def _one_compile(make_devices: Callable[[], list], compile_step: CompileStep, recipe: Recipe,
+                 folder: str, label: str) -> tuple[ProcessPoolExecutor, Future, str]:
     """A process of its own for one compile, so that libtpu aborting it (a failed CHECK
     kills the whole process) costs that compile alone."""
     context = multiprocessing.get_context("spawn")  # a forked jax runtime is not safe
     pool = ProcessPoolExecutor(max_workers=1, mp_context=context)
     stderr_path = os.path.join(folder, hashlib.sha256(label.encode()).hexdigest()[:16])
-    return pool, pool.submit(_compile_in_worker, make_devices, recipe, stderr_path), stderr_path
+    return pool, pool.submit(_compile_in_worker, make_devices, compile_step, recipe,
+                             stderr_path), stderr_path
 
 
 def _outcome(future: Future, stderr_path: str) -> tuple[dict, float | None]:
@@ -214,7 +219,8 @@ def _outcome(future: Future, stderr_path: str) -> tuple[dict, float | None]:
 
 
 def compile_in_processes(jobs: dict[str, Recipe], make_devices: Callable[[], list],
-                         workers: int, timed: Timer) -> dict[str, dict]:
+                         compile_step: CompileStep, workers: int,
+                         timed: Timer) -> dict[str, dict]:
     """{label: figures} for {label: recipe}, each compiled in a spawned process of its
     own, `workers` at a time; each compile is reported as it finishes, with its own
     compile time. A compile whose process the compiler aborts gets aborted_figures."""
@@ -225,7 +231,8 @@ def compile_in_processes(jobs: dict[str, Recipe], make_devices: Callable[[], lis
         while waiting or running:
             while waiting and len(running) < workers:
                 label, recipe = waiting.pop(0)
-                pool, future, stderr_path = _one_compile(make_devices, recipe, folder, label)
+                pool, future, stderr_path = _one_compile(make_devices, compile_step, recipe,
+                                                         folder, label)
                 running[future] = (label, pool, stderr_path)
             names = ", ".join(label.removeprefix("compiled ").split(",")[0]
                               for label, _, _ in running.values())
@@ -241,7 +248,7 @@ def compile_in_processes(jobs: dict[str, Recipe], make_devices: Callable[[], lis
 
 # ---------------------------------------------------------------------- plan ----
 
-def attach_compiled(result: Plan, recipe: Recipe, devices,
+def attach_compiled(result: Plan, recipe: Recipe, devices, compile_step: CompileStep,
                     timed: Timer = lambda _: nullcontext(), *,
                     make_devices: Callable[[], list] | None = None,
                     workers: int | None = None, use_cache: bool = True) -> None:
@@ -261,10 +268,10 @@ def attach_compiled(result: Plan, recipe: Recipe, devices,
     if make_devices is not None:  # in processes of their own even one at a time: see
         # _one_compile
         fresh = compile_in_processes({label: variants[label] for label in missing},
-                                     make_devices, workers, timed)
+                                     make_devices, compile_step, workers, timed)
         for label, figures in fresh.items():
             write_cached(keys[label], figures)
     for label, strategy_plan in labels.items():
         strategy_plan.compiled = fresh.get(label) or cached_figures(
-            variants[label], devices, label, timed, use_cache)
+            variants[label], devices, compile_step, label, timed, use_cache)
     result.choice, result.reason = recommend(result.plans)

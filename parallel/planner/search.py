@@ -71,18 +71,19 @@ def with_seq_len(recipe: Recipe, seq_len: int) -> Recipe:
 
 def max_seq_len(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: str,
                 ulysses: int = 1, platform: str = "tpu", devices=None,
+                compile_step: compiled.CompileStep | None = None,
                 bisect_steps: int | None = None,
                 timed: compiled.Timer = lambda _: nullcontext(), use_cache: bool = True) -> int:
     """Longest sequence (a multiple of sequence_quantum) this strategy fits at, from the
-    estimate, or by compiling when `devices` (a TPU topology) are given (each length's
-    figures cached as `plan --compile` caches them)."""
+    estimate, or by compiling with `compile_step` when `devices` (a TPU topology) are given
+    (each length's figures cached as `plan --compile` caches them)."""
     variant = recipe_for_strategy(recipe, strategy, ulysses)
 
     def fits(seq_len: int) -> bool:
         candidate = with_seq_len(variant, seq_len)
         if devices is not None:
             figures = compiled.cached_figures(
-                candidate, devices, f"compiled {variant.parallel.strategy}, seq {seq_len:,}",
+                candidate, devices, compile_step, f"compiled {variant.parallel.strategy}, seq {seq_len:,}",
                 timed, use_cache)
             return compiled.compiled_fits(figures, chip)
         return estimate(candidate, axis_sizes, chip, strategy, ulysses, platform).fits
@@ -95,7 +96,8 @@ def max_seq_len(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy
 
 
 def longest_sequences(result: Plan, recipe: Recipe, platform: str = "tpu",
-                      devices=None, timed: compiled.Timer = lambda _: nullcontext(),
+                      devices=None, compile_step: compiled.CompileStep | None = None,
+                      timed: compiled.Timer = lambda _: nullcontext(),
                       use_cache: bool = True) -> dict[str, dict[str, int]]:
     """{strategy name: {"estimated": longest sequence, "compiled": ... (with `devices`)}}
     for every plan of `result`."""
@@ -105,6 +107,7 @@ def longest_sequences(result: Plan, recipe: Recipe, platform: str = "tpu",
                                    p.strategy, p.ulysses, platform)
         longest[p.name] = {"estimated": search()}
         if devices is not None:
-            longest[p.name]["compiled"] = search(devices, bisect_steps=COMPILED_BISECT_STEPS,
+            longest[p.name]["compiled"] = search(devices, compile_step,
+                                                 bisect_steps=COMPILED_BISECT_STEPS,
                                                  timed=timed, use_cache=use_cache)
     return longest

@@ -1,0 +1,207 @@
+"""Building a run: the recipe checked against the devices, the mesh, the strategy (auto
+resolved), the train state's shardings and the train step compiled, falling back to the
+next candidate while XLA's figure does not fit; the sharded batches it is fed. What `lctrain
+run` trains with and what `lctrain plan --compile` measures (compile_train_step, with
+libtpu's topology devices: parallel/aot.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from rich.console import Console
+
+from lctrain.parallel import LayerStrategies, build_mesh, make_strategy, strategy_classes
+from lctrain.parallel.aot import memory_stats
+from lctrain.parallel.auto import (COMPILER_FAILED, CompiledNeed, compiler_failure,
+                                   first_that_fits, none_fits, refused_need, resolve_auto,
+                                   shortfall, strategy_name)
+from lctrain.parallel.chips import chip_for_device_kind
+from lctrain.parallel.mesh import slice_count
+from lctrain.recipes import Recipe, RecipeError, check_against_devices
+
+from .data import Batch, DataSource
+from .failures import DoesNotFit, RunFailure, is_out_of_memory, out_of_device_memory
+from .step import (BATCH_FIELDS, Trainable, batch_shardings, build_trainable,
+                   make_train_step)
+
+
+def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
+             evaluating: bool = False) -> Mesh:
+    """Validates the recipe against the devices (RecipeError before any compile), resolves
+    parallel.strategy=auto (saying why), and builds the mesh. Evaluation (`evaluating`, or
+    eval.every in training) is checked at eval.seq_len."""
+    devices = jax.devices() if devices is None else devices
+    sizes, _ = resolve_strategy(recipe, devices, console)
+    classes, platform = dict.fromkeys(strategy_classes(recipe).values()), devices[0].platform
+    if platform == "cpu" and recipe.attention.impl in ("pallas", "splash") and console:
+        console.print(f"note: attention.impl={recipe.attention.impl} runs in Pallas interpret "
+                      f"mode on CPU: exact but slow (attention.impl=auto takes xla here)",
+                      markup=False, soft_wrap=True)
+    if not evaluating:
+        for strategy in classes:
+            strategy.check(recipe, sizes, platform)
+    if evaluating or recipe.eval.every:
+        try:
+            for strategy in classes:
+                strategy.check(recipe.for_evaluation(), sizes, platform)
+        except RecipeError as err:  # the checks name data's keys; evaluation reads eval's
+            if recipe.eval.seq_len is None:
+                raise
+            raise RecipeError(str(err).replace("data.seq_len", "eval.seq_len")) from None
+    return build_mesh(sizes, recipe.parallel.ulysses, devices, recipe.mesh.dcn_sizes())
+
+
+def resolve_strategy(recipe: Recipe, devices, console: Console | None = None
+                     ) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    """The mesh's axis sizes, and the strategies to try, best first: auto's ranking (the
+    recipe is set to its first, and the choice printed), else the recipe's own."""
+    sizes = check_against_devices(recipe, len(devices), slice_count(devices))
+    choice = resolve_auto(recipe, sizes, devices, device_memory_bytes(devices))
+    if choice and console:
+        console.print(choice.sentence, soft_wrap=True, markup=False)
+    return sizes, (choice.ranked if choice
+                   else [(recipe.parallel.strategy, recipe.parallel.ulysses)])
+
+
+def device_memory_bytes(devices) -> int:
+    """Memory of one device: the chip's HBM (from the chip table, or the allocator's limit),
+    else a share of this host's RAM (CPU devices)."""
+    chip = chip_for_device_kind(devices[0].device_kind)
+    if chip:
+        return int(chip.hbm_bytes)
+    return allocator_limit(devices) or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                                        // max(len(_local(devices)), 1))
+
+
+def allocator_limit(devices) -> int | None:
+    """What one device's allocator may hand out (memory_stats' bytes_limit), where the
+    platform reports it: on a GPU, the share jax preallocates."""
+    local = _local(devices)
+    stats = local[0].memory_stats() if local else None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def _local(devices) -> list:
+    return [d for d in devices if d.process_index == jax.process_index()]
+
+
+class CompiledRun(NamedTuple):
+    """A run's mesh, strategy and state, and its train step compiled once for them."""
+    mesh: Mesh
+    strategy: LayerStrategies
+    trainable: Trainable
+    train_step: jax.stages.Compiled
+    report: tuple[str, ...] = ()  # what compiling said: fall-backs, the compiled figure
+
+
+def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
+                memory_limit: int | None = None) -> CompiledRun:
+    """Builds and compiles the train step of the recipe's strategy (auto: of the planner's
+    first choice, then of the next while XLA's figure does not fit in `memory_limit` per
+    device) and prints the compiled figure. The limit defaults to the device's memory on
+    a TPU or GPU and to none on CPU (fake devices share the host's RAM). The recipe ends
+    up naming the strategy that runs."""
+    devices = jax.devices() if devices is None else devices
+    _, candidates = resolve_strategy(recipe, devices, console)
+    if memory_limit is None and devices[0].platform in ("tpu", "gpu"):
+        memory_limit = allocator_limit(devices) or device_memory_bytes(devices)
+
+    def compile_candidate(strategy: str, ulysses: int) -> tuple[CompiledRun | None,
+                                                                 CompiledNeed]:
+        recipe.parallel.strategy, recipe.parallel.ulysses = strategy, ulysses
+        name = strategy_name(strategy, ulysses)
+        start = time.perf_counter()
+        try:
+            run = build_run(recipe, devices, console)
+        except Exception as err:  # XLA's TPU compiler refuses a program over HBM
+            if not is_out_of_memory(err):
+                failed = compiler_failure(name, err)
+                if failed is None:
+                    raise
+                return None, failed
+            if memory_limit is None:
+                raise
+            return None, refused_need(name, str(err))
+        need = compiled_need(name, run.train_step)
+        need.seconds = time.perf_counter() - start
+        return run, need
+
+    report: list[str] = []
+    found = first_that_fits(candidates, compile_candidate, memory_limit, report.append)
+    if isinstance(found, list):
+        print_lines(console, report)
+        if all(need.refused.startswith(COMPILER_FAILED) for need in found):
+            raise RunFailure(f"{shortfall(found[0], None)} (docs/failures.md); name another "
+                             f"parallel.strategy, or another data.seq_len")
+        raise DoesNotFit(out_of_device_memory(none_fits(found, memory_limit)))
+    return found[0]._replace(report=tuple(report))
+
+
+def build_run(recipe: Recipe, devices, console: Console | None = None) -> CompiledRun:
+    """The recipe's mesh, strategy and state, and its train step compiled for them (lowered
+    with abstract state and batch): what a run trains with, and what `lctrain plan
+    --compile` measures (parallel/aot.py)."""
+    mesh = mesh_for(recipe, devices, console)
+    strategy = make_strategy(recipe, mesh)
+    trainable = build_trainable(recipe, mesh)
+    step = make_train_step(recipe, trainable, strategy, mesh)
+    compiled = step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile()
+    return CompiledRun(mesh, strategy, trainable, compiled)
+
+
+def print_lines(console: Console | None, lines) -> None:
+    for line in lines if console else ():
+        console.print(line, soft_wrap=True, markup=False)
+
+
+def compiled_need(name: str, compiled: jax.stages.Compiled) -> CompiledNeed:
+    """XLA's per-device memory of a compiled program, read as `lctrain plan --compile` reads
+    it (CompiledStats.hbm_bytes)."""
+    stats = memory_stats(compiled)
+    return CompiledNeed(name, stats.hbm_bytes, stats.host_temp_bytes + stats.host_argument_bytes)
+
+
+def device_batch(source: DataSource, index: int, order: np.ndarray | None,
+                 mesh: Mesh) -> dict[str, jax.Array]:
+    """Global batch `index` as sharded arrays, in the strategy's token order.
+
+    Each process reads only the rows its own devices hold (once per row range, shared by
+    every field and sequence shard), so a multi-host job never loads the whole batch.
+    """
+    shape = (source.cfg.batch_size, source.cfg.seq_len)
+    read: dict[tuple[int, int], Batch] = {}
+
+    def rows(row_slice: slice) -> Batch:
+        start, stop, _ = row_slice.indices(shape[0])
+        if (start, stop) not in read:
+            batch = source.batch(index, rows=slice(start, stop))
+            read[start, stop] = batch if order is None else Batch(
+                *(getattr(batch, name)[:, order] for name in BATCH_FIELDS))
+        return read[start, stop]
+
+    shardings = batch_shardings(mesh)
+    return {name: jax.make_array_from_callback(
+                shape, shardings[name],
+                lambda shard, name=name: getattr(rows(shard[0]), name)[:, shard[1]])
+            for name in BATCH_FIELDS}
+
+
+def compile_train_step(recipe: Recipe, devices) -> Any:
+    """The compiled train step (jax.stages.Compiled) of `recipe` on `devices`, built and
+    lowered with abstract state and batch as the real run does it (build_run)."""
+    return build_run(recipe, devices).train_step
+
+
+def abstract_batch(recipe: Recipe, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch's shapes, dtypes and shardings, for lowering without data."""
+    shape = (recipe.data.batch_size, recipe.data.seq_len)
+    shardings = batch_shardings(mesh)
+    return {name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == "loss_mask" else jnp.int32,
+                                       sharding=shardings[name])
+            for name in BATCH_FIELDS}
