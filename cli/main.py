@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from lctrain.recipes import RecipeError, load_recipe, named_strategy
+from lctrain.trainer.data_checks import check_data
 
 from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt,
                      console, default_run_dir, error_console, fail, start, wide_console)
@@ -56,7 +57,7 @@ def run(
     if init_optimizer and not init_from:
         fail("--init-optimizer brings the optimizer state of --init-from's run; give "
              "--init-from RUN_DIR[:STEP] too, or drop it")
-    loaded = attempt(lambda: load_recipe(recipe, overrides))
+    loaded = attempt(lambda: check_data(load_recipe(recipe, overrides)))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
     from lctrain.trainer.init_from import InitFrom
     from lctrain.trainer.loop import train

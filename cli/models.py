@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from lctrain.recipes import load_recipe, load_run_recipe
+from lctrain.trainer.data_checks import check_data
 from lctrain.trainer.output_files import check_target, kept_by_export
 from lctrain.trainer.tokenizer import tokenizer_path
 
@@ -39,7 +40,7 @@ def export(
     if dtype not in DTYPES:
         fail(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     # Export reads weights only: the run's training data may be long gone.
-    recipe = attempt(lambda: load_run_recipe(run_dir, set_, reads_data=False))
+    recipe = attempt(lambda: load_run_recipe(run_dir, set_))
     attempt(lambda: check_target(out_dir, overwrite, "OUT_DIR",
                                  kept_by_export(run_dir, tokenizer_path(recipe.data))))
     start(recipe.runtime.cpu_devices, coordinator, num_processes, process_id)
@@ -75,8 +76,8 @@ def eval_(
     eval.source (default data.source), forward only, on the recipe's mesh and strategy."""
     run_dir = run_dir or default_run_dir(recipe)
     from_run = recipe is None and (run_dir / "recipe.yaml").is_file()
-    loaded = attempt(lambda: load_run_recipe(run_dir, set_) if from_run
-                     else load_recipe(recipe, set_))
+    loaded = attempt(lambda: check_data(load_run_recipe(run_dir, set_) if from_run
+                                        else load_recipe(recipe, set_)))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
     import jax
 

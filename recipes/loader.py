@@ -6,7 +6,6 @@ so the CLI can print it as one line and exit 2 before anything is compiled.
 
 from __future__ import annotations
 
-import math
 import os
 import typing
 from importlib import resources
@@ -15,14 +14,12 @@ from typing import Any
 
 import yaml
 
-from lctrain.trainer.tokenizer import (DocumentTokenizer, TokenizerError, check_model_tokenizer,
-                                      token_file_settings)
-
 from .coerce import build, coerce
+from .hf_config import model_fields
 from .linear_checks import validate_linear_layers
 from .mesh_checks import validate_mesh
 from .schema import (KIND_ONLY_STRATEGIES, LAYER_KINDS, MODEL_PRESETS, REMAT_TENSORS,
-                     ROPE_KEYS, ROPE_SCALING_KEYS, DataConfig, ModelConfig, Recipe,
+                     ROPE_KEYS, ROPE_SCALING_KEYS, ModelConfig, Recipe,
                      RecipeError, read_rope_scaling_keys, require)
 
 DEFAULT_RECIPE = "quickstart"
@@ -33,19 +30,19 @@ def builtin_recipes() -> list[str]:
                   if p.name.endswith(".yaml"))
 
 
-def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = (), *,
-                reads_data: bool = True) -> Recipe:
-    """Loads a recipe file (or a built-in recipe by name; None = the default) and validates it
-    (its data sources too, unless the command never `reads_data`)."""
-    return _load(_read_yaml(path), overrides, reads_data)
+def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Recipe:
+    """Loads a recipe file (or a built-in recipe by name; None = the default) and validates
+    what it says on its own (no file is opened but model.init's config.json; the data files
+    are checked by trainer.data_checks.check_data, the devices by check_against_devices)."""
+    return _load(_read_yaml(path), overrides)
 
 
-def _load(raw: dict[str, Any], overrides: list[str], reads_data: bool) -> Recipe:
+def _load(raw: dict[str, Any], overrides: list[str]) -> Recipe:
     _apply_overrides(raw, overrides)
     _fill_model_keys(raw)
     recipe = build(Recipe, raw, prefix="")
     _derive_model_keys(recipe.model)
-    validate(recipe, reads_data)
+    validate(recipe)
     return recipe
 
 
@@ -64,8 +61,7 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
         _set_dotted(raw, key, value)
 
 
-def load_run_recipe(run_dir: str | os.PathLike, overrides: list[str] = (), *,
-                    reads_data: bool = True) -> Recipe:
+def load_run_recipe(run_dir: str | os.PathLike, overrides: list[str] = ()) -> Recipe:
     """The recipe a run trained with (recipe.yaml in its run dir). Every model key is set
     there, so the model is rebuilt from them without model.init's folder."""
     path = Path(run_dir) / "recipe.yaml"
@@ -77,7 +73,7 @@ def load_run_recipe(run_dir: str | os.PathLike, overrides: list[str] = (), *,
     scaling = (raw.get("model") or {}).get("rope_scaling")
     if isinstance(scaling, dict):
         raw["model"]["rope_scaling"] = read_rope_scaling_keys(scaling)
-    return _load(raw, ["model.init=random", *overrides], reads_data)
+    return _load(raw, ["model.init=random", *overrides])
 
 
 def _read_yaml(path: str | os.PathLike | None) -> dict[str, Any]:
@@ -134,8 +130,6 @@ def _fill_model_keys(raw: dict[str, Any]) -> None:
     hints = typing.get_type_hints(ModelConfig)
     init = model.get("init", "random")
     if isinstance(init, str) and init.startswith("hf:"):
-        from lctrain.trainer.hf_config import model_fields
-
         require("preset" not in model, "model.preset", model.get("preset"),
                  f"model.init={init} takes the architecture from config.json; remove "
                  f"model.preset")
@@ -192,9 +186,8 @@ def _derive_model_keys(model: ModelConfig) -> None:
         model.rope_scaling.original_max_position_embeddings = model.max_position_embeddings
 
 
-def validate(recipe: Recipe, reads_data: bool = True) -> None:
-    """Checks that need no devices; `check_against_devices` does the rest once jax is up.
-    Without `reads_data` (lctrain export), data files may be gone."""
+def validate(recipe: Recipe) -> None:
+    """The checks of the recipe's own values: no device, no data file."""
     m, d, t = recipe.model, recipe.data, recipe.train
     for name in ("layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab"):
         require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be positive")
@@ -205,10 +198,6 @@ def validate(recipe: Recipe, reads_data: bool = True) -> None:
              f"must divide model.n_heads ({m.n_heads})")
     require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be positive")
     require(d.batch_size > 0, "data.batch_size", d.batch_size, "must be positive")
-    if reads_data:
-        _validate_mixture(recipe) if d.sources else _validate_source(recipe)
-    if reads_data and recipe.eval.source is not None:
-        _validate_source(recipe.for_evaluation(), "eval")
     require(t.steps > 0, "train.steps", t.steps, "must be positive")
     require(t.lr > 0, "train.lr", t.lr, "must be positive")
     require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
@@ -333,80 +322,6 @@ def _validate_layer_strategies(recipe: Recipe) -> None:
                 "parallel.strategy" + (f".{kind}" if isinstance(strategy, dict) else ""), name,
                 f"{name} runs {only} layers only, and the model has {kind} layers; give "
                 f"them another, e.g. parallel.strategy={{{kind}: ring, {only}: {name}}}")
-
-
-def _validate_source(recipe: Recipe, key: str = "data") -> None:
-    """data.source (or, with key 'eval', eval.source and eval.seq_len: what evaluation
-    reads) exists and suits the model."""
-    d = recipe.data
-    if d.source == "synthetic":
-        require(d.seq_len >= 4, f"{key}.seq_len", d.seq_len, "the synthetic task needs >= 4")
-        if key == "data":  # evaluation may well read synthetic data beside a tokenizer
-            _require_no_tokenizer(d)
-        return
-    require(Path(d.source).exists(), f"{key}.source", d.source,
-             f"no such file or folder (looked for {Path(d.source).absolute()}: a relative path "
-             f"is taken from the working directory); use 'synthetic', a .bin/.npy token file "
-             f"or text file(s)")
-    try:
-        if Path(d.source).suffix in (".bin", ".npy"):
-            if key == "data":
-                _require_no_tokenizer(d)
-            token_file_settings(d.source, eos_id=d.eos_id, token_dtype=d.token_dtype,
-                                model_vocab=recipe.model.vocab, key=key,
-                                model_dir=recipe.model.hf_dir)
-        elif d.tokenizer is not None:
-            DocumentTokenizer.load(d.tokenizer, key="data.tokenizer").check_vocab(
-                recipe.model.vocab, key="data.tokenizer", model_dir=recipe.model.hf_dir)
-        else:
-            require(recipe.model.vocab >= 257, "model.vocab", recipe.model.vocab,
-                     "text sources use the byte tokenizer (256 bytes + end-of-document): "
-                     "need >= 257, or set data.tokenizer")
-        if recipe.model.hf_dir is not None:
-            check_model_tokenizer(recipe.model.hf_dir, d, key)
-    except TokenizerError as err:
-        raise RecipeError(str(err)) from None
-
-
-def _validate_mixture(recipe: Recipe) -> None:
-    """data.sources: each source exists, the weights are shares, and the mixture opens
-    (no source left empty by its length filter, one tokenizer for all)."""
-    from lctrain.trainer.data import DataError  # numpy only, no jax
-    from lctrain.trainer.sources import make_source
-
-    d = recipe.data
-    require(d.source == "synthetic", "data.source", d.source,
-             "data.sources is set too, and a recipe reads one or the other: remove "
-             "data.source (or add it to data.sources as another {path, weight})")
-    for i, spec in enumerate(d.sources):
-        key = f"data.sources[{i}]"
-        require(spec.path != "" and Path(spec.path).exists(), f"{key}.path", spec.path,
-                 f"no such file or folder (looked for {Path(spec.path).absolute()}); use a "
-                 f".bin/.npy token file (lctrain tokenize) or text file(s)")
-        require(math.isfinite(spec.weight) and spec.weight >= 0, f"{key}.weight", spec.weight,
-                 "must be a number >= 0 (its share of training tokens, before the weights "
-                 "are divided by their sum)")
-        require(spec.min_doc_tokens >= 0, f"{key}.min_doc_tokens", spec.min_doc_tokens,
-                 "must be >= 0 (0 keeps documents of any length)")
-        require(spec.max_doc_tokens is None or spec.max_doc_tokens >= max(spec.min_doc_tokens, 1),
-                 f"{key}.max_doc_tokens", spec.max_doc_tokens,
-                 f"must be >= {key}.min_doc_tokens ({spec.min_doc_tokens}) and >= 1, or null")
-    weights = [spec.weight for spec in d.sources]
-    require(sum(weights) > 0, "data.sources", weights,
-             "the weights must add up to a positive number: give a source a weight > 0")
-    try:
-        make_source(d, vocab=recipe.model.vocab, seed=recipe.train.seed,
-                    holdout=recipe.eval.data_holdout)
-        if recipe.model.hf_dir is not None:  # make_source checked that the sources agree
-            check_model_tokenizer(recipe.model.hf_dir, d)
-    except (DataError, TokenizerError) as err:
-        raise RecipeError(str(err)) from None
-
-
-def _require_no_tokenizer(d: DataConfig) -> None:
-    require(d.tokenizer is None, "data.tokenizer", d.tokenizer,
-             "only used with a text data.source (a token file's sidecar <file>.json names "
-             "its tokenizer); set it to null")
 
 
 def _validate_remat(recipe: Recipe) -> None:

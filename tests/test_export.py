@@ -112,7 +112,7 @@ def test_context_extension_workflow(tmp_path):
     assert reloaded.config.rope_parameters["rope_type"] == "yarn"
     ids = np.asarray([tokenizer.encode(" ".join(texts[:6])).ids[:129]] * 2, np.int32)
     _, hf_loss = hf_logits_and_loss(reloaded, ids)
-    recipe = load_run_recipe(run_dir, reads_data=False)
+    recipe = load_run_recipe(run_dir)
     mesh = mesh_for(recipe)
     params, origin = load_weights(recipe, build_trainable(recipe, mesh), run_dir)
     assert origin.endswith("step 3")

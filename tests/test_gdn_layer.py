@@ -162,7 +162,7 @@ def test_bad_linear_keys_name_the_key(overrides, key, words):
 
 
 def test_export_refuses_linear_layers_in_one_line():
-    from lctrain.trainer.hf_config import check_exportable
+    from lctrain.recipes.hf_config import check_exportable
 
     recipe = load_recipe("tiny", [*CONTEXT, LINEAR_PATTERN, f"parallel.strategy={PER_KIND}"])
     with pytest.raises(RecipeError, match="recipe key 'model.layer_pattern' = "

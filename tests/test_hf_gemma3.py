@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from lctrain.parallel import make_strategy, planner
 from lctrain.recipes import RecipeError, load_recipe
-from lctrain.trainer.hf_config import check_exportable
+from lctrain.recipes.hf_config import check_exportable
 from lctrain.trainer.hf_export import export_hf
 from lctrain.trainer.build import mesh_for
 from lctrain.trainer.model import count_parameters

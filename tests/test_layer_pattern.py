@@ -187,7 +187,7 @@ def test_export_refuses_sliding_layers_before_reading_weights():
     """A Llama config.json has no sliding layers: exported, the model would be served with
     every layer global. check_exportable runs first in export_run."""
     from lctrain.recipes import RecipeError, load_recipe
-    from lctrain.trainer.hf_config import check_exportable
+    from lctrain.recipes.hf_config import check_exportable
 
     check_exportable(load_recipe("tiny").model)
     sliding = load_recipe("tiny", ["model.layer_pattern=[{kind: sliding, count: 1, window: 8}, "

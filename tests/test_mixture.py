@@ -245,7 +245,7 @@ def test_sources_load_as_typed_sections_and_round_trip(tmp_path):
 ])
 def test_malformed_sources_name_the_key(value, words):
     with pytest.raises(RecipeError) as err:
-        load_recipe("tiny", [f"data.sources={value}"], reads_data=False)
+        load_recipe("tiny", [f"data.sources={value}"])
     assert words in str(err.value)
 
 

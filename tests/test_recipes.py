@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.recipes import RecipeError, check_against_devices, load_recipe
 from lctrain.recipes.schema import LayerGroupConfig, SourceConfig
+from lctrain.trainer.data_checks import check_data
 
 from make_hf_model import LLAMA31_8B_CONFIG
 
@@ -73,7 +74,7 @@ def test_overrides_convert_types():
 ])
 def test_bad_values_name_the_key_and_the_fix(overrides, key, words):
     with pytest.raises(RecipeError) as err:
-        load_recipe("tiny", overrides)
+        check_data(load_recipe("tiny", overrides))
     assert f"'{key}'" in str(err.value) and words in str(err.value)
 
 
@@ -190,7 +191,9 @@ def test_shipped_recipes_load_with_every_value_they_set(path, tmp_path):
     imports = written["model"].get("init", "random").startswith("hf:")
     mixes = "sources" in written.get("data", {})  # its files are the user's to make
     recipe = load_recipe(str(path), ["model.init=hf:" + str(tmp_path), "data.source=synthetic"]
-                         if imports else [], reads_data=not mixes)
+                         if imports else [])
+    if not mixes:
+        check_data(recipe)
     for section, values in written.items():
         for key, value in values.items():
             if imports and key in stand_ins.get(section, {}):
@@ -302,11 +305,11 @@ def test_relative_sources_are_taken_from_the_working_directory(tmp_path, monkeyp
     (tmp_path / "data").mkdir()
     np.save(tmp_path / "data" / "tokens.npy", np.arange(1000, dtype=np.int32) % 100)
     monkeypatch.chdir(tmp_path)
-    recipe = load_recipe("tiny", ["data.source=data/tokens.npy"])
+    recipe = check_data(load_recipe("tiny", ["data.source=data/tokens.npy"]))
     assert make_source(recipe.data, vocab=128, seed=0).batch(0).inputs.shape == (8, 256)
     missing = tmp_path / "data" / "missing.bin"
     with pytest.raises(RecipeError) as err:
-        load_recipe("tiny", ["data.source=data/missing.bin"])
+        check_data(load_recipe("tiny", ["data.source=data/missing.bin"]))
     assert f"'data.source' = 'data/missing.bin': no such file or folder (looked for {missing}" \
         in str(err.value)
     with pytest.raises(DataError, match=f"looked for {re.escape(str(missing))}"):

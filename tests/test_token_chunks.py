@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lctrain.trainer.token_chunks import TokenChunks, chunks_for
+from lctrain.parallel.token_chunks import TokenChunks, chunks_for
 
 
 @pytest.mark.parametrize("seq_len, chunk_tokens, shards", [

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from typer.testing import CliRunner
 
 from lctrain.cli.main import app
+from lctrain.trainer.data_checks import check_data
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.recipes.schema import DataConfig
 from lctrain.trainer.corpus import plan_pieces, tokenize_corpus
@@ -237,12 +238,13 @@ def test_tokenizer_larger_than_model_vocab_stops_the_recipe(hf_dir, reference, t
     # The tiny preset has model.vocab 128.
     with pytest.raises(RecipeError, match=f"tokenizer vocabulary {vocab} exceeds model.vocab "
                                           f"128"):
-        load_recipe("tiny", [f"data.source={token_file}"])
+        check_data(load_recipe("tiny", [f"data.source={token_file}"]))
     with pytest.raises(RecipeError, match=f"data.tokenizer .*: tokenizer vocabulary {vocab} "
                                           f"exceeds model.vocab 128"):
-        load_recipe("tiny", [f"data.source={token_file.parent / 'corpus'}",
-                           f"data.tokenizer={hf_dir}"])
-    recipe = load_recipe("tiny", [f"data.source={token_file}", f"model.vocab={vocab}"])
+        check_data(load_recipe("tiny", [f"data.source={token_file.parent / 'corpus'}",
+                           f"data.tokenizer={hf_dir}"]))
+    recipe = check_data(load_recipe("tiny", [f"data.source={token_file}",
+                                             f"model.vocab={vocab}"]))
     assert recipe.data.eos_id is None  # left to the sidecar, read again by make_source
 
 
@@ -255,7 +257,8 @@ def test_recipe_value_that_disagrees_with_the_sidecar(token_file, key, value, si
     words = (f"'data.{key}' = {value!r} disagrees with sidecar {token_file}.json "
              f"({sidecar_value!r})")
     with pytest.raises(RecipeError) as err:
-        load_recipe("tiny", [f"data.source={token_file}", "model.vocab=512", f"data.{key}={value}"])
+        check_data(load_recipe("tiny", [f"data.source={token_file}", "model.vocab=512",
+                                        f"data.{key}={value}"]))
     assert words in str(err.value)
     with pytest.raises(DataError) as err:
         make_source(DataConfig(seq_len=4, source=str(token_file), **{key: value}),
@@ -265,8 +268,8 @@ def test_recipe_value_that_disagrees_with_the_sidecar(token_file, key, value, si
 
 def test_data_tokenizer_needs_a_text_source(hf_dir, token_file):
     with pytest.raises(RecipeError, match="'data.tokenizer' = .*only used with a text"):
-        load_recipe("tiny", [f"data.source={token_file}", "model.vocab=512",
-                           f"data.tokenizer={hf_dir}"])
+        check_data(load_recipe("tiny", [f"data.source={token_file}", "model.vocab=512",
+                                        f"data.tokenizer={hf_dir}"]))
 
 
 @pytest.mark.parametrize("case, words", [
@@ -351,6 +354,6 @@ def test_fingerprint_tells_tokenizers_of_one_vocabulary_size_apart(hf_dir, tmp_p
 def test_a_token_file_replaced_without_its_sidecar_is_refused(token_file):
     token_file.write_bytes(token_file.read_bytes()[:-4])
     with pytest.raises(RecipeError) as err:
-        load_recipe("tiny", [f"data.source={token_file}", "model.vocab=512"])
+        check_data(load_recipe("tiny", [f"data.source={token_file}", "model.vocab=512"]))
     assert f"data.source {token_file}: " in str(err.value)
     assert "come from different runs of lctrain tokenize" in str(err.value)

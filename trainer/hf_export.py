@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from lctrain.recipes.schema import Recipe
 
 from .hf_checkpoint import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
-from .hf_config import check_exportable, config_json
+from lctrain.recipes.hf_config import check_exportable, config_json
 from .safetensors_io import write_folder
 from .build import mesh_for
 from .output_files import replaced

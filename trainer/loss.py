@@ -15,13 +15,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lctrain.parallel.token_chunks import TokenChunks, resolve_chunk_tokens
 from lctrain.recipes.schema import LossConfig
-from lctrain.trainer.token_chunks import TokenChunks
 
-# loss.chunk_tokens = null: chunks of up to this many tokens per sequence. One chunk's f32
-# logits then take batch x 4096 x vocab x 4 bytes before sharding (2 GB for one Llama 3
-# row), while the matmuls stay large enough to keep the chip busy.
-DEFAULT_CHUNK_TOKENS = 4096
 
 
 class LossAux(NamedTuple):
@@ -55,18 +51,6 @@ def next_token_loss(hidden: jax.Array, output_weights: jax.Array, targets: jax.A
     mask = loss_mask.astype(jnp.float32)
     z_part = z_loss * jnp.sum(jnp.square(jax.lax.stop_gradient(log_partition)) * mask)
     return jnp.sum(per_token * mask), LossAux(jnp.sum(mask), z_part)
-
-
-def resolve_chunk_tokens(chunk_tokens: int | None, seq_len: int) -> int:
-    """Tokens per chunk for loss.chunk_tokens; seq_len means one chunk (unchunked).
-
-    None picks min(seq_len, DEFAULT_CHUNK_TOKENS); 0 and anything >= seq_len mean unchunked.
-    """
-    if chunk_tokens is None:
-        chunk_tokens = DEFAULT_CHUNK_TOKENS
-    if chunk_tokens < 0:
-        raise ValueError(f"loss.chunk_tokens must be >= 0 (0 = unchunked), got {chunk_tokens}")
-    return seq_len if chunk_tokens == 0 else min(chunk_tokens, seq_len)
 
 
 def _logits_and_log_partition(hidden: jax.Array, output_weights: jax.Array
@@ -116,7 +100,7 @@ def token_scores(hidden: jax.Array, output_weights: jax.Array, targets: jax.Arra
 def _chunked_per_token_loss(hidden, output_weights, targets, loss_mask, z_loss,
                             chunk_tokens: int, shards: int):
     """Per-token losses, their logsumexp and the mask, each [n_chunks, b, chunk_len], one
-    chunk at a time (chunks as trainer/token_chunks.py cuts them: each spread over all
+    chunk at a time (chunks as parallel/token_chunks.py cuts them: each spread over all
     `shards`)."""
     chunks = TokenChunks(targets.shape[1], chunk_tokens, shards)
     per_token, log_partition = _chunk_losses(hidden, output_weights.astype(hidden.dtype),

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from lctrain.parallel.chips import chip_for_device_kind
+from lctrain.parallel.planner.layer_kinds import keys_per_query
 from lctrain.recipes.schema import ModelConfig
 
 from .model import count_parameters
@@ -23,22 +24,7 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     the s x s work, a sliding one its window's, a linear one none (its delta rule, O(d_k
     d_v) per token and head, is not counted)."""
     attention = 6 * cfg.layers * seq_len * cfg.n_heads * cfg.head_dim
-    return 6 * count_parameters(cfg) + attention * attention_keys_per_query(cfg, seq_len)
-
-
-def attention_keys_per_query(cfg: ModelConfig, seq_len: int) -> float:
-    """Keys a query attends to, on average over the layers, in units of a causal global
-    layer's s/2: a sliding query at position p sees min(window, p + 1) keys."""
-    total = 0.0
-    for kind in cfg.layer_kinds():
-        if kind == "linear":
-            continue
-        window = cfg.layer_group(kind).window
-        if window is None or window >= seq_len:
-            total += 1
-        else:
-            total += (window - window * (window - 1) / (2 * seq_len)) / (seq_len / 2)
-    return total / cfg.layers
+    return 6 * count_parameters(cfg) + attention * keys_per_query(cfg, seq_len)
 
 
 class MetricsWriter:

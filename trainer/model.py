@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lctrain.kernels.residuals import CONTEXT
 from lctrain.parallel.hlo import layer_share_scope
 from lctrain.recipes.schema import ModelConfig
-from lctrain.trainer.token_chunks import GatherWeight, TokenChunks
+from lctrain.parallel.token_chunks import GatherWeight, TokenChunks
 
 from .gdn_layer import GatedDeltaNet, gdn_parameters
 from .params import param as _param, weight as _weight

@@ -19,7 +19,7 @@ from .loss import LossAux, next_token_loss
 from .model import Transformer
 from .optimizer import learning_rate_schedule, make_optimizer
 from .remat import remat_policy
-from .token_chunks import chunks_for
+from lctrain.parallel.token_chunks import chunks_for
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 HOST = "pinned_host"   # the memory kind optimizer.offload keeps the moments in

@@ -16,7 +16,7 @@ from typing import Iterable
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.cost_model import Dims
 from lctrain.recipes.schema import Recipe
-from lctrain.trainer.token_chunks import chunks_for
+from lctrain.parallel.token_chunks import chunks_for, resolve_chunk_tokens
 
 BYTES = {"bfloat16": 2, "float32": 4}
 
@@ -176,7 +176,6 @@ def context_kept(recipe: Recipe) -> bool:
 def loss_chunks(recipe: Recipe, c: int) -> tuple[int, int]:
     """(number of chunks, tokens per chunk per sequence per device) as trainer/loss.py
     cuts the local part of the sequence."""
-    from lctrain.trainer.loss import resolve_chunk_tokens   # numpy-free, jax-free helper
     s = recipe.data.seq_len
     chunk = resolve_chunk_tokens(recipe.loss.chunk_tokens, s)
     part = s // c
@@ -189,7 +188,7 @@ def loss_chunks(recipe: Recipe, c: int) -> tuple[int, int]:
 
 def mlp_chunk_len(recipe: Recipe, c: int) -> int:
     """Tokens per sequence per device the MLP works on at a time (remat.mlp_chunk_tokens,
-    cut as trainer/token_chunks.py cuts them)."""
+    cut as parallel/token_chunks.py cuts them)."""
     s = recipe.data.seq_len
     chunks = chunks_for(recipe.remat.mlp_chunk_tokens, s, c)
     return chunks.piece_len if chunks else s // c

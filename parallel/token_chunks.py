@@ -93,3 +93,20 @@ def chunks_for(chunk_tokens: int, seq_len: int, shards: int) -> TokenChunks | No
         return None
     return TokenChunks(seq_len, chunk_tokens, shards)
 
+
+# loss.chunk_tokens = null: chunks of up to this many tokens per sequence. One chunk's f32
+# logits then take batch x 4096 x vocab x 4 bytes before sharding (2 GB for one Llama 3
+# row), while the matmuls stay large enough to keep the chip busy.
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def resolve_chunk_tokens(chunk_tokens: int | None, seq_len: int) -> int:
+    """Tokens per chunk for loss.chunk_tokens; seq_len means one chunk (unchunked).
+
+    None picks min(seq_len, DEFAULT_CHUNK_TOKENS); 0 and anything >= seq_len mean unchunked.
+    """
+    if chunk_tokens is None:
+        chunk_tokens = DEFAULT_CHUNK_TOKENS
+    if chunk_tokens < 0:
+        raise ValueError(f"loss.chunk_tokens must be >= 0 (0 = unchunked), got {chunk_tokens}")
+    return seq_len if chunk_tokens == 0 else min(chunk_tokens, seq_len)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lctrain.recipes.schema import ModelConfig, RecipeError, require
+from .schema import ModelConfig, RecipeError, require
 
 # architectures[0] -> model.family. Mistral is Llama without biases; Qwen2 adds q/k/v biases;
 # Gemma 3 (text only) the layer features of family_layers and sliding/global layers.
