@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import pallas
+from .jaxpr_walk import equations
 from .pallas_schedule import prefetch_arrays, step_visibility
 
 
@@ -105,28 +106,13 @@ def matmuls_per_block_pair() -> dict[str, int]:
 
 def _matmuls(jaxpr):
     """dot_general equations in a jaxpr, sub-jaxprs included."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "dot_general"
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    count += _matmuls(sub)
-    return count
+    return sum(eqn.primitive.name == "dot_general" for eqn, _ in equations(jaxpr))
 
 
 def _kernel_bodies(jaxpr):
     """{pallas_call name: kernel jaxpr} anywhere in a jaxpr."""
-    found = {}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found[eqn.params["name"]] = eqn.params["jaxpr"]
-        for param in eqn.params.values():
-            sub = getattr(param, "jaxpr", param)
-            if hasattr(sub, "eqns"):
-                found.update(_kernel_bodies(sub))
-    return found
+    return {eqn.params["name"]: eqn.params["jaxpr"] for eqn, _ in equations(jaxpr)
+            if eqn.primitive.name == "pallas_call"}
 
 
 def _matmuls_per_pair(kernel):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from lctrain.kernels import TOKENS_MAJOR, attention, row_dot
+from lctrain.kernels.jaxpr_walk import equations
 from reference import dense_attention, merge_partials
 
 # f32: max abs error bound for out, lse, dq, dk, dv (measured <= 3e-6).
@@ -234,3 +235,25 @@ def compiled_for_four_v5p_chips(kernel, check_vma):
             arg((b, s), jnp.int32), arg((b, s, hq, d), jnp.bfloat16),
             arg((b, hq, s), jnp.float32))
     return jax.jit(sharded).lower(*args).compile().as_text()
+
+
+def largest_intermediate(jaxpr) -> int:
+    """Largest array (elements) anywhere in a jaxpr, sub-jaxprs and kernel bodies included."""
+    return max((int(np.prod(getattr(var.aval, "shape", ())))
+                for eqn, _ in equations(jaxpr) for var in eqn.outvars), default=0)
+
+
+def kernel_call_names(impl: str, case: "KernelCase") -> set[str]:
+    """The Pallas kernels kernels.attention(impl=...) calls for `case`'s shapes, forward and
+    backward (traced only)."""
+    q, k, v = case.qkv(0)
+    positions, segments = case.arange(), case.one_segment()
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, q_positions=positions, kv_positions=positions,
+                                 q_segment_ids=segments, kv_segment_ids=segments, causal=True,
+                                 impl=impl, block_q=case.block, block_kv=case.block))
+
+    return {str(eqn.params.get("name_and_src_info", eqn.params.get("name"))).split()[0]
+            for eqn, _ in equations(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v).jaxpr)
+            if eqn.primitive.name == "pallas_call"}

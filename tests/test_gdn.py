@@ -14,10 +14,10 @@ import functools
 import jax
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 
 from lctrain.kernels.gdn import (gated_delta_rule, recurrent_gated_delta_rule,
                                  reset_at_document_starts)
+from lctrain.kernels.jaxpr_walk import equations
 from lctrain.parallel.cost_model import Dims
 from lctrain.parallel.hlo import collective_bytes
 from lctrain.parallel.state_passing import (StatePassing, state_passing_extra_flops,
@@ -209,21 +209,17 @@ def test_state_passing_traffic_is_independent_of_sequence_length():
 def traced_flops(fn, *args):
     """Matmul and triangular-solve FLOPs in fn's jaxpr (a solve of an m x m system for n
     columns as m^2 n), loops times their trip counts, shard_map bodies per device."""
-    def count(jaxpr):
-        total = 0
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                (contracting, _), _ = eqn.params["dimension_numbers"]
-                lhs = eqn.invars[0].aval.shape
-                total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod(
-                    [lhs[i] for i in contracting])
-            elif eqn.primitive.name == "triangular_solve":
-                *batch, m, n = eqn.invars[1].aval.shape
-                total += np.prod(batch) * m * m * n
-            inner = sum(map(count, jaxprs_in_params(eqn.params)))
-            total += inner * eqn.params.get("length", 1)
-        return total
-    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+    total = 0
+    for eqn, times in equations(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += times * 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod(
+                [lhs[i] for i in contracting])
+        elif eqn.primitive.name == "triangular_solve":
+            *batch, m, n = eqn.invars[1].aval.shape
+            total += times * np.prod(batch) * m * m * n
+    return total
 
 
 def test_extra_flops_are_the_widened_state_and_the_fold():

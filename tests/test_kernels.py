@@ -18,7 +18,7 @@ import pytest
 
 from lctrain.kernels import IMPLS, attention, resolve_impl
 from lctrain.kernels.xla import largest_divisor_at_most
-from kernel_harness import assert_close
+from kernel_harness import assert_close, largest_intermediate
 from reference import dense_attention, merge_partials
 
 # f32: max abs error bound. Inputs are N(0, 1), so outputs, lse and grads are
@@ -296,20 +296,6 @@ def test_output_shapes_and_dtypes():
     assert (out_only.shape, out_only.dtype) == (q.shape, jnp.bfloat16)
 
 
-def _largest_intermediate(jaxpr):
-    """Largest array (in elements) produced anywhere in a jaxpr, sub-jaxprs included."""
-    biggest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()))))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                if hasattr(sub, "eqns"):
-                    biggest = max(biggest, _largest_intermediate(sub))
-    return biggest
-
-
 def test_memory_is_blockwise():
     """Forward + backward never materialize a [sq, skv] score matrix: with s = 512 and
     32-blocks the largest intermediate is < 1/8 of b*hq*s*s, while the dense
@@ -329,8 +315,16 @@ def test_memory_is_blockwise():
         block_q=32, block_kv=32, return_lse=True))
     reference = grad_of(lambda q, k, v: dense_attention(q, k, v, pos, pos, seg, seg))
     full_scores = B * HQ * s * s
-    assert _largest_intermediate(jax.make_jaxpr(kernel)(q, k, v).jaxpr) < full_scores // 8
-    assert _largest_intermediate(jax.make_jaxpr(reference)(q, k, v).jaxpr) >= full_scores
+    assert largest_intermediate(jax.make_jaxpr(kernel)(q, k, v).jaxpr) < full_scores // 8
+    assert largest_intermediate(jax.make_jaxpr(reference)(q, k, v).jaxpr) >= full_scores
+
+
+def test_the_recipe_offers_the_registered_kernels_and_auto():
+    import typing
+
+    from lctrain.recipes.schema import AttentionConfig
+    choices = typing.get_args(typing.get_type_hints(AttentionConfig)["impl"])
+    assert set(choices) == {*IMPLS, "auto"}
 
 
 def test_auto_impl_resolves_to_a_registered_backend():
@@ -349,7 +343,6 @@ def test_unknown_impl_and_bad_shapes_raise():
     q, k, v = _qkv(80, 32, 32)
     kw = dict(q_positions=_arange(32), kv_positions=_arange(32),
               q_segment_ids=_one_segment(32), kv_segment_ids=_one_segment(32))
-    assert "xla" in IMPLS
     with pytest.raises(ValueError, match="allowed: .*'xla'"):
         attention(q, k, v, impl="nope", **kw)
     with pytest.raises(ValueError, match="multiple"):

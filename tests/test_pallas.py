@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from kernel_harness import (F32_TOL, NAMES, KernelCase, assert_close, bf16_bounds,
-                            check_kv_halves, compiled_for_four_v5p_chips, max_err)
-from lctrain.kernels import IMPLS, pallas
+                            check_kv_halves, compiled_for_four_v5p_chips,
+                            kernel_call_names, largest_intermediate, max_err)
+from lctrain.kernels import pallas
 
 BLOCK = 32
 CASE = KernelCase(impl="pallas", b=2, s=96, hq=8, d=16, block=BLOCK)  # 3 x 3 blocks
@@ -24,8 +25,9 @@ B, S, HQ, D = CASE.b, CASE.s, CASE.hq, CASE.d
 
 # ------------------------------------------------------------------ tests ----
 
-def test_registered_as_an_impl():
-    assert "pallas" in IMPLS
+def test_impl_pallas_calls_our_forward_and_fused_backward_kernels():
+    assert kernel_call_names("pallas", CASE) == {"lctrain_flash_forward",
+                                                 "lctrain_flash_backward"}
 
 
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8])
@@ -157,20 +159,6 @@ def test_kv_halves_like_a_ring():
     check_kv_halves(pallas, CASE, 25, *CASE.packed(n_docs=2, seed=25))
 
 
-def _largest_intermediate(jaxpr):
-    """Largest array (elements) anywhere in a jaxpr, kernel bodies included."""
-    biggest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()))))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    biggest = max(biggest, _largest_intermediate(sub))
-    return biggest
-
-
 def test_memory_is_linear_in_sequence_length():
     """Forward + backward at s = 1024 never create an [sq, skv]-sized array, not even
     a mask: the largest intermediate (kernel bodies included) is < s * s. Tracing only."""
@@ -186,7 +174,7 @@ def test_memory_is_linear_in_sequence_length():
         return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
-    assert _largest_intermediate(jaxpr) < s * s
+    assert largest_intermediate(jaxpr) < s * s
 
 
 def test_tpu_block_sizes():

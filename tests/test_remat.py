@@ -25,11 +25,12 @@ import jax
 import pytest
 from rich.console import Console
 
+from lctrain.kernels.jaxpr_walk import subprograms
 from lctrain.recipes import load_recipe
 from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import RecipeError
-from lctrain.trainer.loop import train
 from lctrain.trainer.build import mesh_for
+from lctrain.trainer.loop import train
 from lctrain.trainer.model import count_parameters
 from lctrain.trainer.step import build_trainable
 
@@ -193,11 +194,8 @@ def pallas_kernels(jaxpr, in_backward=False):
             name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
             found.append((str(name).split()[0], in_backward))
             continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += pallas_kernels(inner, in_backward or eqn.primitive.name == "remat2")
+        for inner in subprograms(eqn):
+            found += pallas_kernels(inner, in_backward or eqn.primitive.name == "remat2")
     return found
 
 

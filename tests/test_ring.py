@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from lctrain.kernels.jaxpr_walk import equations
 from lctrain.parallel import ring
 from lctrain.parallel.strategy import load_balanced_order
 from reference import dense_attention
@@ -98,24 +99,13 @@ def test_bf16_gradients_within_bf16_rounding_of_dense(c):
         assert error < 1e-2, (name, error)
 
 
-def subprograms(eqn):
-    """The jaxprs an equation calls (a scan's or cond's bodies, a pjit's program)."""
-    for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-            body = getattr(sub, "jaxpr", sub)
-            if hasattr(body, "eqns"):
-                yield body
-
-
-def ppermutes(jaxpr, times=1, counted=None):
+def ppermutes(jaxpr):
     """Operands sent by ppermute in `jaxpr` and every program it calls, counted once per
     execution (a scan's body `length` times), keyed by (shape, dtype)."""
-    counted = Counter() if counted is None else counted
-    for eqn in jaxpr.eqns:
+    counted = Counter()
+    for eqn, times in equations(jaxpr):
         if eqn.primitive.name == "ppermute":
             counted.update({(v.aval.shape, v.aval.dtype.name): times for v in eqn.invars})
-        for body in subprograms(eqn):
-            ppermutes(body, times * eqn.params.get("length", 1), counted)
     return counted
 
 
@@ -139,17 +129,12 @@ def test_c_minus_1_sends_of_each(c):
                     ((B, chunk, HKV, D), transport): 2 * (c - 1)}          # dK, dV sums
 
 
-def f32_adds(jaxpr, shapes, counted=0):
+def f32_adds(jaxpr, shapes):
     """How many f32 `add`s of one of `shapes` `jaxpr` and the programs it calls hold
     (each program counted once, a scan's body too)."""
-    for eqn in jaxpr.eqns:
-        if (eqn.primitive.name in ("add", "add_any")
-                and eqn.outvars[0].aval.dtype == jnp.float32
-                and eqn.outvars[0].aval.shape in shapes):
-            counted += 1
-        for body in subprograms(eqn):
-            counted = f32_adds(body, shapes, counted)
-    return counted
+    return sum(eqn.primitive.name in ("add", "add_any")
+               and eqn.outvars[0].aval.dtype == jnp.float32
+               and eqn.outvars[0].aval.shape in shapes for eqn, _ in equations(jaxpr))
 
 
 @pytest.mark.parametrize("c", [2, 4])

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kernel_harness import (KernelCase, assert_close, bf16_bounds, check_kv_halves,
-                            compiled_for_four_v5p_chips)
-from lctrain.kernels import IMPLS, attention, resolve_impl, splash
+                            compiled_for_four_v5p_chips, kernel_call_names)
+from lctrain.kernels import attention, resolve_impl, splash
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.strategy import load_balanced_order
 from lctrain.recipes import RecipeError, load_recipe
@@ -29,8 +29,9 @@ def _packed_indices(n_docs, seed):
     return CASE.arange(), seg
 
 
-def test_registered_as_an_impl():
-    assert "splash" in IMPLS
+def test_impl_splash_calls_the_splash_kernels():
+    names = kernel_call_names("splash", CASE)
+    assert names and all(name.startswith("splash_mha") for name in names), names
 
 
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8])
