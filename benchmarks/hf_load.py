@@ -18,7 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from lctrain.cli.common import fake_cpu_device_flags  # imports no jax
+
+os.environ["XLA_FLAGS"] = fake_cpu_device_flags(8)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import ml_dtypes  # noqa: E402

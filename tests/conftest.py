@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+from lctrain.cli.common import fake_cpu_device_flags  # imports no jax
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {fake_cpu_device_flags(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiled-figure cache (parallel/planner/compiled.py): a fresh one per test process, so no
 # test reads figures an earlier run left in ~/.cache.

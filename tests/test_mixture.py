@@ -342,7 +342,7 @@ def test_a_run_logs_tokens_per_source_and_the_long_share(tmp_path):
             "data.eos_id=0", "data.seq_len=32", "data.batch_size=8", "train.steps=3",
             "runtime.log_every=1", "model.vocab=128", "model.layers=1"]
     run_dir = tmp_path / "run"
-    result = CliRunner().invoke(app, ["run", *[x for s in sets for x in ("--set", s)],
+    result = CliRunner().invoke(app, ["run", "tiny", *[x for s in sets for x in ("--set", s)],
                                       "--run-dir", str(run_dir)])
     assert result.exit_code == 0, result.output
     source = make_source(load_recipe("tiny", sets).data, vocab=128, seed=0)

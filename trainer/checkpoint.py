@@ -66,12 +66,12 @@ class Checkpointer:
     def _reading(self, step: int):
         """Orbax's failures (a file deleted or truncated, shapes that do not match) as one
         CheckpointError naming the step's folder; out-of-memory passes through as it is."""
+        _quiet_abandoned_reads()
         try:
             yield
         except Exception as err:
             if is_out_of_memory(err):
                 raise
-            _quiet_abandoned_reads()
             first_line = (str(err).strip().splitlines() or [""])[0][:300]
             raise CheckpointError(
                 f"{self.directory / str(step)}: cannot restore checkpoint step {step} "
@@ -98,10 +98,13 @@ class Checkpointer:
 
 
 def _quiet_abandoned_reads() -> None:
-    """After a restore fails, orbax's other reads are still in flight; they finish on the
-    event loop the failure closed and complain at exit ("Event loop is closed" as an
-    unraisable error, "Task exception was never retrieved" from asyncio), a screen of
-    tracebacks after the one line that says what failed. Those two are dropped."""
+    """When a restore fails, orbax closes its event loop while tensorstore's other reads are
+    still in flight; their threads then report "Event loop is closed" as an unraisable error
+    (a bare traceback on stderr, before, among or after the one line that says what failed),
+    and asyncio logs "Task exception was never retrieved" at exit. Both are dropped from
+    before the first read on, since they race with the failure itself. Installed once."""
+    if getattr(sys.unraisablehook, "drops_closed_loop_reads", False):
+        return
     previous = sys.unraisablehook
 
     def hook(unraisable) -> None:
@@ -109,6 +112,7 @@ def _quiet_abandoned_reads() -> None:
                 and "Event loop is closed" in str(unraisable.exc_value)):
             previous(unraisable)
 
+    hook.drops_closed_loop_reads = True
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(
         lambda record: "Task exception was never retrieved" not in record.getMessage())
