@@ -16,8 +16,10 @@ from lctrain.recipes import load_recipe
 from lctrain.trainer import build, loop
 from lctrain.trainer.failures import DoesNotFit, explain, out_of_device_memory
 
-# Two devices, one layer, 128 tokens: a compile takes seconds on CPU, and auto's ranking
-# (all_gather, ulysses, ring) has ulysses needing less memory than all_gather.
+# Two devices, one layer, 128 tokens: a compile takes seconds on CPU. Auto's ranking is
+# all_gather, ulysses, ring; which of the last two needs less than all_gather on CPU depends
+# on XLA:CPU's schedule (ring with the concurrency-optimized scheduler off, cli/common.py), so the test takes the first
+# of them that fits.
 SMALL = ["parallel.strategy=auto", "mesh.context=2", "mesh.data=1", "data.seq_len=128",
          "data.batch_size=1", "model.layers=1", "train.steps=1", "train.warmup_steps=1",
          "checkpoint.every=0"]
@@ -82,13 +84,15 @@ def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compil
     recipe = load_recipe("tiny", SMALL)
     run = build.compile_run(recipe, devices, console, memory_limit=limit)
     printed = "\n".join(run.report)
-    assert recipe.parallel.strategy == run.strategy.name == ranking[1]
-    assert len(compiles) == 2 and run.train_step is executables[-1]
-    chosen_need = memory_analysis_bytes(run.train_step)
-    assert chosen_need <= limit < first_need
+    chosen = run.strategy.name
+    assert recipe.parallel.strategy == chosen and chosen in ranking[1:]
+    needs = [memory_analysis_bytes(executable) for executable in executables[1:]]
+    assert len(compiles) == len(needs) == ranking.index(chosen) + 1 and needs[0] == first_need
+    assert run.train_step is executables[-1]
+    assert needs[-1] <= limit < first_need and all(need > limit for need in needs[:-1])
     assert (f"{ranking[0]} needs {gigabytes(first_need)} of {gigabytes(limit)} per device; "
             f"trying {ranking[1]}") in printed
-    assert (f"compiled train step: {ranking[1]}, {gigabytes(chosen_need)} per device "
+    assert (f"compiled train step: {chosen}, {gigabytes(needs[-1])} per device "
             f"(of {gigabytes(limit)}) in ") in printed
 
 
