@@ -3,6 +3,7 @@ the fake-device switch. Imports neither jax nor the trainer."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import pkgutil
 from pathlib import Path
@@ -130,13 +131,24 @@ def accelerator_module(dev: Path = Path("/dev"),
 def fake_cpu_device_flags(count: int) -> str:
     """XLA_FLAGS for `count` CPU devices in one process.
 
-    Without the second flag XLA:CPU's concurrency-optimized scheduler lets the collectives
-    of a context-parallel step meet the wrong partner across devices: on jax 0.12 the ring
-    on data 2 x context 4 under full remat gave gradients off by 0.04-0.33 (or NaN) from
-    call to call, and a one-layer model segfaulted 2 runs in 3 (tests/test_cpu_collectives.py).
-    With it both match the single device to 1e-8, every run."""
-    return (f"--xla_force_host_platform_device_count={count} "
-            "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    jax lowers every collective of a shard_map with one channel id, and XLA:CPU meets the
+    devices of a collective by that id, so two independent collectives that one device
+    starts in a different order from another can meet the wrong partner
+    (tests/test_cpu_collectives.py). Which scheduler keeps them apart depends on the jax
+    release: on jax 0.12 the concurrency-optimized one let the ring on data 2 x context 4
+    under full remat give gradients off by 0.04-0.33 (or NaN) from call to call, and off
+    they match the single device to 1e-8; on jax 0.10 turning it off is what breaks the
+    ring (wrong results or a rendezvous abort, 3 runs in 4), so there it stays on."""
+    flags = f"--xla_force_host_platform_device_count={count}"
+    if _jaxlib_at_least(0, 12):
+        flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    return flags
+
+
+def _jaxlib_at_least(major: int, minor: int) -> bool:
+    """Read from the installed metadata: XLA_FLAGS must be set before jax is imported."""
+    release = importlib.metadata.version("jaxlib").split(".")
+    return (int(release[0]), int(release[1])) >= (major, minor)
 
 
 def use_fake_cpu_devices(count: int) -> None:

@@ -13,11 +13,12 @@ two ring forwards that XLA puts in one computation: a one-layer model under full
 where the layer loop of one iteration is inlined and the recomputed forward of the
 backward is independent of the first forward.
 
-XLA:CPU's concurrency-optimized scheduler is what lets those two forwards interleave.
-Turned off (cli/common.fake_cpu_device_flags, used by the tests and `runtime.cpu_devices`),
-jax 0.12 runs the repro below bit-identical every time; jax 0.10 still deadlocks about
-one run in eight (two devices in an all-gather, one in a permute), so there it stays an
-expected failure.
+XLA:CPU's concurrency-optimized scheduler is what lets those two forwards interleave on
+jax 0.12. Turned off there (cli/common.fake_cpu_device_flags, used by the tests and
+`runtime.cpu_devices`), jax 0.12 runs the repro below bit-identical every time. On jax
+0.10 turning it off breaks other rings, so the flag is not set and the repro deadlocks
+about one run in eight (two devices in an all-gather, one in a permute): an expected
+failure there.
 """
 
 import json
