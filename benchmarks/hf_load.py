@@ -38,7 +38,7 @@ CONFIG = {
 
 def write_checkpoint(folder: Path) -> int:
     """Writes the random checkpoint one tensor at a time; returns the parameter count."""
-    from lctrain.trainer.safetensors_io import write_folder
+    from lctrain.trainer.hf.safetensors_io import write_folder
 
     c = CONFIG
     e, f = c["hidden_size"], c["intermediate_size"]
@@ -97,9 +97,9 @@ def main() -> None:
     import jax
 
     from lctrain.recipes import load_recipe
-    from lctrain.trainer.hf_checkpoint import load_params
-    from lctrain.trainer.build import mesh_for
-    from lctrain.trainer.step import build_trainable
+    from lctrain.trainer.hf.convert import load_params
+    from lctrain.trainer.state.build import mesh_for
+    from lctrain.trainer.state.step import build_trainable
 
     recipe = load_recipe("tiny", [f"model.init=hf:{args.dir}", "mesh.data=1", "mesh.fsdp=8",
                                 "data.seq_len=256"])

@@ -1,4 +1,4 @@
-"""The input pipeline off the critical path (trainer/pipeline.py), measured on this host.
+"""The input pipeline off the critical path (trainer/train/pipeline.py), measured on this host.
 
     python benchmarks/input_pipeline.py [--steps 60] [--sleep-ms 0 40]
 
@@ -58,7 +58,7 @@ def slowed(make_source, seconds: float):
 
 def ms_per_step(steps: int, sleep_ms: float, prefetch: bool) -> float:
     from lctrain.recipes import load_recipe
-    from lctrain.trainer import loop
+    from lctrain.trainer.train import loop
 
     recipe = load_recipe("tiny", [f"train.steps={steps}", "runtime.log_every=1", "mesh.data=1",
                                 "runtime.cpu_devices=1", "checkpoint.every=0"])

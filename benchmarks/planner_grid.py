@@ -208,7 +208,7 @@ def needed_bytes(error: str) -> dict[str, int]:
 def compile_point(point: Point, devices) -> dict:
     """One record: the point, the versions and commit, XLA's figures and the seconds."""
     from lctrain.parallel import planner
-    from lctrain.trainer.build import compile_train_step
+    from lctrain.trainer.state.build import compile_train_step
     recipe, _ = recipe_and_mesh(point.topology, point.overrides)
     start = time.monotonic()
     try:

@@ -25,7 +25,7 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 from lctrain.parallel import aot  # noqa: E402
-from lctrain.trainer import build  # noqa: E402
+from lctrain.trainer.state import build  # noqa: E402
 from lctrain.recipes import RecipeError, load_recipe  # noqa: E402
 
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp")

@@ -60,7 +60,7 @@ def start(cpu_devices: int | str, coordinator: Optional[str], num_processes: Opt
         # jax would try an installed libtpu first and print a screen of warnings that it
         # finds no TPU before falling back to the CPU it ends up on anyway.
         os.environ["JAX_PLATFORMS"] = "cpu"
-    from lctrain.trainer.distributed import initialize
+    from lctrain.trainer.train.distributed import initialize
 
     initialize(coordinator, num_processes, process_id)
 
@@ -69,7 +69,7 @@ def attempt(action: Callable[[], T]) -> T:
     """action(), with the failures a user can act on (a bad recipe or data, out of memory,
     an unreadable checkpoint or file) turned into one line and exit 2 or 1; a bug keeps its
     traceback, and with --debug every failure does."""
-    from lctrain.trainer.failures import explain  # jax-free: safe before jax starts
+    from lctrain.trainer.outputs.failures import explain  # jax-free: safe before jax starts
 
     try:
         return action()

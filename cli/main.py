@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from lctrain.recipes import RecipeError, load_recipe, named_strategy
-from lctrain.trainer.data_checks import check_data
+from lctrain.trainer.data.checks import check_data
 
 from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt,
                      console, default_run_dir, error_console, fail, start, wide_console)
@@ -59,8 +59,8 @@ def run(
              "--init-from RUN_DIR[:STEP] too, or drop it")
     loaded = attempt(lambda: check_data(load_recipe(recipe, overrides)))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
-    from lctrain.trainer.init_from import InitFrom
-    from lctrain.trainer.loop import train
+    from lctrain.trainer.train.init_from import InitFrom
+    from lctrain.trainer.train.loop import train
 
     stage = InitFrom.parse(init_from, init_optimizer) if init_from else None
     attempt(lambda: train(loaded, run_dir or default_run_dir(recipe), console, init_from=stage))
@@ -119,7 +119,7 @@ def plan(
     except RecipeError as err:
         fail(str(err))
     platform = "gpu" if chip.name in ("h100", "h200") else "tpu"
-    from lctrain.trainer.progress import timed
+    from lctrain.trainer.outputs.progress import timed
 
     def compile_timer(label: str):
         return timed(error_console, label)
@@ -131,7 +131,7 @@ def plan(
             fail(f"--compile needs a TPU topology (libtpu), got '{topology}'")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         from lctrain.parallel import aot
-        from lctrain.trainer.build import compile_train_step
+        from lctrain.trainer.state.build import compile_train_step
         try:
             devices = aot.topology_devices(topology, slices)
         except (RuntimeError, ValueError) as err:

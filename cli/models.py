@@ -10,9 +10,9 @@ from typing import Optional
 import typer
 
 from lctrain.recipes import load_recipe, load_run_recipe
-from lctrain.trainer.data_checks import check_data
-from lctrain.trainer.output_files import check_target, kept_by_export
-from lctrain.trainer.tokenizer import tokenizer_path
+from lctrain.trainer.data.checks import check_data
+from lctrain.trainer.outputs.files import check_target, kept_by_export
+from lctrain.trainer.data.tokenizer import tokenizer_path
 
 from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
                      default_run_dir, error_console, fail, start, wide_console)
@@ -46,7 +46,7 @@ def export(
     start(recipe.runtime.cpu_devices, coordinator, num_processes, process_id)
     import jax
 
-    from lctrain.trainer.hf_export import export_run
+    from lctrain.trainer.hf.export import export_run
 
     files, origin = attempt(lambda: export_run(recipe, run_dir, out_dir, step, dtype,
                                                error_console))
@@ -81,7 +81,7 @@ def eval_(
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
     import jax
 
-    from lctrain.trainer.evaluate import evaluate
+    from lctrain.trainer.evaluation.evaluate import evaluate
 
     # Progress on stderr: stdout keeps only the table or the JSON.
     result = attempt(lambda: evaluate(loaded, run_dir, step, error_console))

@@ -1,5 +1,5 @@
 """`lctrain tokenize`: text corpora into a token file for `data.source` (the work is in
-trainer/corpus.py and trainer/tokenizer.py). Imports neither jax nor the model."""
+trainer/data/corpus.py and trainer/data/tokenizer.py). Imports neither jax nor the model."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 
-from lctrain.trainer.corpus import SUFFIXES, plan_pieces, tokenize_corpus
-from lctrain.trainer.data import DataError
-from lctrain.trainer.output_files import OutputError, check_target
-from lctrain.trainer.tokenizer import DocumentTokenizer, TokenizerError, sidecar_path
+from lctrain.trainer.data.corpus import SUFFIXES, plan_pieces, tokenize_corpus
+from lctrain.trainer.outputs.failures import DataError
+from lctrain.trainer.outputs.files import OutputError, check_target
+from lctrain.trainer.data.tokenizer import DocumentTokenizer, TokenizerError, sidecar_path
 
 from .common import app, console, error_console, fail
 

@@ -1,5 +1,5 @@
 """What a linear (Gated DeltaNet) layer asks of the mesh: the causal conv over q, k, v and
-the gated delta rule, on each device's share of the sequence (trainer/gdn_layer.py calls
+the gated delta rule, on each device's share of the sequence (trainer/model/gdn_layer.py calls
 it as its `mix`).
 
 The conv (kernels/causal_conv.py) needs the kernel-1 tokens before each of the device's

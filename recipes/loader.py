@@ -33,7 +33,7 @@ def builtin_recipes() -> list[str]:
 def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Recipe:
     """Loads a recipe file (or a built-in recipe by name; None = the default) and validates
     what it says on its own (no file is opened but model.init's config.json; the data files
-    are checked by trainer.data_checks.check_data, the devices by check_against_devices)."""
+    are checked by trainer.data.checks.check_data, the devices by check_against_devices)."""
     return _load(_read_yaml(path), overrides)
 
 

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from lctrain.parallel import aot
-from lctrain.trainer import build
+from lctrain.trainer.state import build
 from lctrain.parallel.hlo_kernels import relayouts_next_to_kernels
 from lctrain.recipes import load_recipe
 

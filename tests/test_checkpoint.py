@@ -5,9 +5,9 @@ import jax
 import numpy as np
 
 from lctrain.recipes import load_recipe
-from lctrain.trainer.checkpoint import Checkpointer
-from lctrain.trainer.build import mesh_for
-from lctrain.trainer.step import build_trainable
+from lctrain.trainer.state.checkpoint import Checkpointer
+from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.state.step import build_trainable
 
 
 def test_round_trip_keeps_values_shardings_and_position(tmp_path):

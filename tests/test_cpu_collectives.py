@@ -33,9 +33,9 @@ from subprocess_env import subprocess_env
 
 REPEATS = 4
 ONE_LAYER_RING = ("from lctrain.recipes import load_recipe; import sys, jax, json; "
-                  "from lctrain.trainer import build; "
-                  "from lctrain.trainer.sources import make_source; "
-                  "from lctrain.trainer.step import initial_state; "
+                  "from lctrain.trainer.state import build; "
+                  "from lctrain.trainer.data.sources import make_source; "
+                  "from lctrain.trainer.hf.weights import initial_state; "
                   "r = load_recipe('tiny', sys.argv[1:]); run = build.build_run(r, jax.devices()); "
                   "src = make_source(r.data, vocab=r.model.vocab, seed=0, holdout=0); "
                   "order = run.strategy.sequence_order(r.data.seq_len); "

@@ -1,4 +1,4 @@
-"""Tests for trainer/data.py: every expectation below is worked out by hand in the comments."""
+"""Tests for trainer/data/batches.py: every expectation below is worked out by hand in the comments."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from lctrain.recipes.schema import DataConfig
-from lctrain.trainer.data import BYTE_EOS, Batch, DataError, decode_tokens, encode_text
-from lctrain.trainer.sources import make_source
+from lctrain.trainer.data.batches import BYTE_EOS, Batch, decode_tokens, encode_text
+from lctrain.trainer.outputs.failures import DataError
+from lctrain.trainer.data.sources import make_source
 
 
 def config(source, *, seq_len, batch_size=1, eos_id=None, token_dtype="uint16") -> DataConfig:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli.main import app
 from lctrain.recipes import load_recipe
-from lctrain.trainer.sources import make_source
+from lctrain.trainer.data.sources import make_source
 
 from make_hf_model import make_hf_model
 
@@ -50,7 +50,7 @@ def test_eval_without_weights_says_where_to_get_them(tmp_path):
 
 
 def test_position_edges_are_log_spaced_up_to_the_length():
-    from lctrain.trainer.evaluate import position_edges
+    from lctrain.trainer.evaluation.evaluate import position_edges
 
     assert position_edges(256).tolist() == [0, 1, 2, 3, 4, 6, 9, 13, 19, 28, 40, 58, 84, 122,
                                             177, 256]
@@ -72,11 +72,11 @@ def test_bucket_sums_equal_a_hand_computation(strategy, mesh):
     from types import SimpleNamespace
 
     from lctrain.parallel import make_strategy
-    from lctrain.trainer.data import Batch
-    from lctrain.trainer.evaluate import make_bucket_sums, position_edges
-    from lctrain.trainer.build import device_batch, mesh_for
-    from lctrain.trainer.model import Transformer
-    from lctrain.trainer.step import BATCH_FIELDS
+    from lctrain.trainer.data.batches import Batch
+    from lctrain.trainer.evaluation.evaluate import make_bucket_sums, position_edges
+    from lctrain.trainer.state.build import device_batch, mesh_for
+    from lctrain.trainer.model.transformer import Transformer
+    from lctrain.trainer.state.step import BATCH_FIELDS
 
     from test_model import model_logits
     from test_strategies import mixed_batch
@@ -140,7 +140,7 @@ def test_pallas_tiles_are_checked_at_eval_seq_len_when_training_evaluates(every)
     (2000-token chunks) does not; `lctrain eval` and a run with eval.every must refuse it
     before compiling, a run that never evaluates need not."""
     from lctrain.recipes import RecipeError
-    from lctrain.trainer.build import mesh_for
+    from lctrain.trainer.state.build import mesh_for
 
     recipe = load_recipe("tiny", ["parallel.strategy=ring", "mesh.context=4", "mesh.data=1",
                                 "data.batch_size=1", "data.seq_len=8192", "eval.seq_len=8000",
@@ -163,8 +163,8 @@ def test_evaluation_during_training_is_held_out_and_resumes_without_repeats(tmp_
     """A token file with every 4th window held out: eval every 2 steps; a run to 4 steps
     resumed to 6 evaluates at 2, 4 and 6 once each, and the evaluation at 6 equals
     `lctrain eval` of the final checkpoint (same held-out batches, same weights)."""
-    from lctrain.trainer.evaluate import evaluate
-    from lctrain.trainer.loop import train
+    from lctrain.trainer.evaluation.evaluate import evaluate
+    from lctrain.trainer.train.loop import train
 
     np.save(tmp_path / "tokens.npy",
             np.random.default_rng(1).integers(0, 128, 64 * 40 + 1).astype(np.int32))

@@ -23,7 +23,7 @@ from lctrain.parallel.hlo import collective_bytes
 from lctrain.parallel.state_passing import (StatePassing, state_passing_extra_flops,
                                           state_passing_traffic)
 from lctrain.recipes import load_recipe
-from lctrain.trainer.build import mesh_for
+from lctrain.trainer.state.build import mesh_for
 
 B, HK, HV, DK, DV = 2, 2, 4, 16, 8
 TOL = 1e-5

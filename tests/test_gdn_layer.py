@@ -1,5 +1,5 @@
 """Linear layers (model.layer_pattern kind linear): Qwen3-Next's Gated DeltaNet
-(trainer/gdn_layer.py) against transformers' Qwen3NextGatedDeltaNet with the same weights
+(trainer/model/gdn_layer.py) against transformers' Qwen3NextGatedDeltaNet with the same weights
 (PyTorch, CPU, f32), packed documents against each document alone, a [linear x3, global]
 model's loss and gradients under context parallelism (linear layers on state_passing,
 global ones on ring) against the single device, and the recipe errors."""
@@ -17,8 +17,8 @@ from lctrain.parallel.auto import choose_strategy
 from lctrain.parallel.chips import CHIPS
 from lctrain.parallel.cost_model import F32
 from lctrain.recipes import RecipeError, load_recipe
-from lctrain.trainer.gdn_layer import GatedDeltaNet
-from lctrain.trainer.build import mesh_for
+from lctrain.trainer.model.gdn_layer import GatedDeltaNet
+from lctrain.trainer.state.build import mesh_for
 
 from test_strategies import loss_and_grads, recipe_for
 

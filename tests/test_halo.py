@@ -17,7 +17,7 @@ from lctrain.parallel.halo import Halo, check_halo_window
 from lctrain.parallel.hlo import collective_bytes
 from lctrain.recipes import load_recipe
 from lctrain.recipes.schema import RecipeError
-from lctrain.trainer.build import mesh_for
+from lctrain.trainer.state.build import mesh_for
 from reference import dense_attention
 
 B, SEQ, HQ, HKV, D = 2, 64, 4, 2, 16

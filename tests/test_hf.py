@@ -14,9 +14,10 @@ from flax import nnx
 from lctrain.kernels import attention
 from lctrain.parallel import make_strategy
 from lctrain.recipes import RecipeError, load_recipe
-from lctrain.trainer.data import Batch
-from lctrain.trainer.build import device_batch, mesh_for
-from lctrain.trainer.step import BATCH_FIELDS, build_trainable, initial_state, make_loss_sums
+from lctrain.trainer.data.batches import Batch
+from lctrain.trainer.state.build import device_batch, mesh_for
+from lctrain.trainer.hf.weights import initial_state
+from lctrain.trainer.state.step import BATCH_FIELDS, build_trainable, make_loss_sums
 
 from make_hf_model import make_hf_model
 

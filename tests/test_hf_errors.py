@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lctrain.cli.main import app
-from lctrain.trainer.safetensors_io import SafetensorsFolder, write_folder
+from lctrain.trainer.hf.safetensors_io import SafetensorsFolder, write_folder
 
 from make_hf_model import make_hf_model
 

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 from lctrain.parallel import make_strategy, planner
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.recipes.hf_config import check_exportable
-from lctrain.trainer.hf_export import export_hf
-from lctrain.trainer.build import mesh_for
-from lctrain.trainer.model import count_parameters
-from lctrain.trainer.resume import check_rerun
-from lctrain.trainer.step import make_forward
+from lctrain.trainer.hf.export import export_hf
+from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.model.transformer import count_parameters
+from lctrain.trainer.train.resume import check_rerun
+from lctrain.trainer.state.step import make_forward
 
 from make_hf_model import make_gemma3_model
 from test_hf import (BATCH, SEQ, assert_close, hf_logits_and_loss, loaded, our_loss, recipe_for,

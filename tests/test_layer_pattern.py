@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.parallel import make_strategy
 from lctrain.recipes import RecipeError, load_recipe
-from lctrain.trainer.build import mesh_for
-from lctrain.trainer.model import Transformer, rotary_tables
-from lctrain.trainer.step import make_forward
+from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.model.transformer import Transformer, rotary_tables
+from lctrain.trainer.state.step import make_forward
 
 from reference import dense_attention
 from test_strategies import SEQ, assert_matches, loss_and_grads, mixed_batch, recipe_for

@@ -84,4 +84,21 @@ def test_no_module_imports_itself_through_others():
 def test_the_walk_sees_imports_inside_functions():
     """The checks above would pass on nothing: the graph has the function-level import of
     cli/main.py (the trainer, imported once the recipe is read)."""
-    assert "trainer.loop" in graph()["cli.main"]
+    assert "trainer.train.loop" in graph()["cli.main"]
+
+
+# Inside trainer/, the subpackages in the same way (each one's __init__ says what it owns).
+TRAINER_LAYERS = ("outputs", "model", "data", "state", "hf", "evaluation", "train")
+
+
+def test_trainer_subpackages_import_down_their_order():
+    def rank(module: str) -> int:
+        return TRAINER_LAYERS.index(module.split(".")[1])
+
+    inside = {name: {target for target in targets if target.startswith("trainer.")}
+              for name, targets in graph().items() if name.startswith("trainer.")}
+    assert set(TRAINER_LAYERS) == {name.split(".")[1] for name in inside if name.count(".") >= 2}
+    upward = [f"{source} -> {target}" for source, targets in inside.items()
+              if source.count(".") >= 2 for target in targets
+              if target.count(".") >= 2 and rank(target) > rank(source)]
+    assert upward == []

@@ -1,4 +1,4 @@
-"""Chunked cross-entropy (trainer/loss.py): equals the unchunked loss and gradients, on one
+"""Chunked cross-entropy (trainer/model/loss.py): equals the unchunked loss and gradients, on one
 device and sharded, and never holds the whole logits (TPU AOT memory figures)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lctrain.parallel.mesh import build_mesh
 from lctrain.parallel.sharding import batch_sharding, logical_spec
 from lctrain.recipes.schema import LossConfig
 from lctrain.parallel.token_chunks import DEFAULT_CHUNK_TOKENS, resolve_chunk_tokens
-from lctrain.trainer.loss import next_token_loss
+from lctrain.trainer.model.loss import next_token_loss
 from tpu_aot import compiled_memory, tpu_mesh
 
 # f32 throughout: chunking (and sharding) only change the order of the sums, so loss,

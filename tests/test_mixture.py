@@ -1,4 +1,4 @@
-"""Tests for trainer/mixture.py (data.sources): shares, determinism, filters, bad data.
+"""Tests for trainer/data/mixture.py (data.sources): shares, determinism, filters, bad data.
 
 The token files are built so that every token says where it came from: a document of L
 tokens is [BOS, v, v, ..., v, EOS] with v = offset + L, so a row's tokens tell its source
@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.recipes.schema import DataConfig, SourceConfig
-from lctrain.trainer.sources import make_source
-from lctrain.trainer.mixture import MixtureSource, long_token_share, tokens_per_source
-from lctrain.trainer.tokenizer import DocumentTokenizer, data_tokenizer, write_sidecar
+from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.data.mixture import MixtureSource, long_token_share, tokens_per_source
+from lctrain.trainer.data.tokenizer import DocumentTokenizer, data_tokenizer, write_sidecar
 
 EOS, BOS = 0, 1
 VOCAB = 128

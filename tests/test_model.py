@@ -10,8 +10,8 @@ from flax import nnx
 
 from lctrain.kernels import attention
 from lctrain.recipes import load_recipe
-from lctrain.trainer.loss import next_token_loss
-from lctrain.trainer.model import Transformer, rope_frequencies
+from lctrain.trainer.model.loss import next_token_loss
+from lctrain.trainer.model.transformer import Transformer, rope_frequencies
 
 
 def config(**overrides):

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from lctrain.trainer.safetensors_io import SafetensorsFolder
+from lctrain.trainer.hf.safetensors_io import SafetensorsFolder
 
 
 def free_port() -> int:

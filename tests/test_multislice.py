@@ -237,7 +237,7 @@ def test_two_slice_train_step_sends_only_data_traffic_across_slices():
     all-reduces cross; every collective-permute of the ring stays in its slice, with the
     bytes the planner counts; the DCN bytes are at least the planner's floor."""
     from lctrain.parallel import aot, hlo
-    from lctrain.trainer import build
+    from lctrain.trainer.state import build
 
     recipe = load_recipe("tiny", [*TINY, "data.seq_len=1024", "mesh.data=2", "mesh.context=4",
                                 "mesh.dcn_data=2"])

@@ -1,4 +1,4 @@
-"""trainer/pipeline.py: batches built ahead on a thread are exactly the loop's own, in
+"""trainer/train/pipeline.py: batches built ahead on a thread are exactly the loop's own, in
 order, with errors raised at the batch that hit them; finiteness read one step late, and
 at once before a checkpoint. Timing belongs to benchmarks/input_pipeline.py."""
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from lctrain.trainer.pipeline import LaggedFiniteCheck, Prefetcher
+from lctrain.trainer.train.pipeline import LaggedFiniteCheck, Prefetcher
 
 
 def test_prefetched_batches_are_the_builders_in_order_from_the_start():

@@ -12,7 +12,7 @@ from rich.console import Console
 from lctrain.parallel import chips, planner
 from lctrain.parallel.planner import compiled
 from lctrain.recipes import check_against_devices, load_recipe
-from lctrain.trainer.progress import timed
+from lctrain.trainer.outputs.progress import timed
 
 BASE = ["parallel.strategy=auto", "mesh.context=4", "mesh.data=1", "data.seq_len=4096",
         "data.batch_size=1"]
@@ -131,7 +131,7 @@ def test_processes_give_the_serial_figures(monkeypatch, tmp_path):
     strategies and give the figures of compiling them here, in this process (without
     make_devices)."""
     from lctrain.parallel import aot
-    from lctrain.trainer.build import compile_train_step
+    from lctrain.trainer.state.build import compile_train_step
 
     recipe = load_recipe("tiny", [*BASE, "model.layers=1", "model.dtype=bfloat16",
                                 "attention.impl=xla", "data.seq_len=1024"])

@@ -34,7 +34,7 @@ def tiny(*extra: str):
 # ------------------------------------------------------------ parameters ----
 
 def test_parameter_count_matches_the_model():
-    from lctrain.trainer.model import count_parameters
+    from lctrain.trainer.model.transformer import count_parameters
     for preset in ("tiny", "llama3.1-8b", "llama3.1-70b"):
         recipe = load_recipe("tiny", [f"model.preset={preset}"])
         assert planner.count_parameters(recipe) == count_parameters(recipe.model)
@@ -396,7 +396,7 @@ def grid_case(model, seq, remat, strategy):
 @pytest.mark.parametrize("model, seq, remat, strategy", [grid_case(*case) for case in GRID])
 def test_estimate_matches_the_compiler(model, seq, remat, strategy):
     from lctrain.parallel import aot
-    from lctrain.trainer.build import compile_train_step
+    from lctrain.trainer.state.build import compile_train_step
     recipe = grid_recipe(model, seq, remat, strategy)
     compiled = planner.compile_figures(recipe, aot.topology_devices("v5p:2x2x1"),
                                        compile_train_step)

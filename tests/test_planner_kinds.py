@@ -93,7 +93,7 @@ def test_a_model_without_a_pattern_plans_as_before():
 def test_planned_halo_traffic_matches_the_compiled_hlo():
     """CPU compile of the whole train step (all_gather on the global layers, so halo's
     sends are the step's only collective-permutes)."""
-    from lctrain.trainer import build
+    from lctrain.trainer.state import build
     recipe = mixed("parallel.strategy={global: all_gather, sliding: halo}")
     compiled = build.compile_train_step(recipe, jax.devices()[:4])
     counted = collective_bytes(compiled.as_text()).bytes_by_kind["collective-permute"]
@@ -160,7 +160,7 @@ def test_mfu_counts_attention_per_layer_kind(pattern, keys):
     no attention in linear layers: by hand, at 512 tokens, a [sliding, global] model's
     query sees (1 + (w - w(w-1)/2s) / (s/2)) / 2 of an all-global model's keys on average
     over its layers; [linear x3, global] a quarter."""
-    from lctrain.trainer.metrics import count_parameters, training_flops_per_token
+    from lctrain.trainer.train.metrics import count_parameters, training_flops_per_token
 
     recipe = load_recipe("tiny", ["model.layers=4", "data.seq_len=512",
                                 f"model.layer_pattern={pattern}"])
@@ -182,7 +182,7 @@ def test_the_planner_counts_the_parameters_a_linear_pattern_model_holds(override
 
     from flax import nnx
 
-    from lctrain.trainer.model import Transformer
+    from lctrain.trainer.model.transformer import Transformer
     recipe = load_recipe("recipes/qwen3_next_like.yaml", overrides)
     model = nnx.eval_shape(lambda: Transformer(recipe.model, nnx.Rngs(0)))
     held = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.recipes import RecipeError, check_against_devices, load_recipe
 from lctrain.recipes.schema import LayerGroupConfig, SourceConfig
-from lctrain.trainer.data_checks import check_data
+from lctrain.trainer.data.checks import check_data
 
 from make_hf_model import LLAMA31_8B_CONFIG
 
@@ -40,7 +40,7 @@ def test_preset_values_are_overridden_field_by_field():
 
 
 def test_warmup_longer_than_the_run_is_clamped():
-    from lctrain.trainer.optimizer import learning_rate_schedule
+    from lctrain.trainer.state.optimizer import learning_rate_schedule
 
     train = load_recipe("tiny", ["train.steps=3", "train.warmup_steps=20"]).train
     assert train.run_warmup_steps == 2
@@ -286,8 +286,8 @@ def test_pallas_tiles_stop_a_tpu_compile_before_it_starts(monkeypatch):
     import jax
 
     from lctrain.parallel import aot
-    from lctrain.trainer import build
-    from lctrain.trainer.build import mesh_for
+    from lctrain.trainer.state import build
+    from lctrain.trainer.state.build import mesh_for
 
     recipe = load_recipe("tiny", [*PALLAS_8000, "mesh.data=1", "data.batch_size=1"])
     devices = aot.topology_devices("v5p:2x2x1")
@@ -299,8 +299,8 @@ def test_pallas_tiles_stop_a_tpu_compile_before_it_starts(monkeypatch):
 
 
 def test_relative_sources_are_taken_from_the_working_directory(tmp_path, monkeypatch):
-    from lctrain.trainer.data import DataError
-    from lctrain.trainer.sources import make_source
+    from lctrain.trainer.outputs.failures import DataError
+    from lctrain.trainer.data.sources import make_source
 
     (tmp_path / "data").mkdir()
     np.save(tmp_path / "data" / "tokens.npy", np.arange(1000, dtype=np.int32) % 100)

@@ -29,10 +29,10 @@ from lctrain.kernels.jaxpr_walk import subprograms
 from lctrain.recipes import load_recipe
 from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import RecipeError
-from lctrain.trainer.build import mesh_for
-from lctrain.trainer.loop import train
-from lctrain.trainer.model import count_parameters
-from lctrain.trainer.step import build_trainable
+from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.train.loop import train
+from lctrain.trainer.model.transformer import count_parameters
+from lctrain.trainer.state.step import build_trainable
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="TPU AOT compiles need libtpu (the tpu extra)")
@@ -62,7 +62,7 @@ CASES = {
 def compiled(case: str):
     """(memory_analysis(), optimized HLO text) of the AOT case."""
     from lctrain.parallel import aot
-    from lctrain.trainer import build
+    from lctrain.trainer.state import build
     recipe = load_recipe("tiny", AOT_SETS + CASES[case])
     program = build.compile_train_step(recipe, aot.topology_devices(TOPOLOGY))
     return program.memory_analysis(), program.as_text()
@@ -207,9 +207,9 @@ def forward_kernels_in_backward(sets: list[str]) -> int:
     from jax._src.interpreters.partial_eval import dce_jaxpr
 
     from lctrain.parallel import make_strategy
-    from lctrain.trainer.sources import make_source
-    from lctrain.trainer.build import device_batch
-    from lctrain.trainer.step import make_loss_sums
+    from lctrain.trainer.data.sources import make_source
+    from lctrain.trainer.state.build import device_batch
+    from lctrain.trainer.state.step import make_loss_sums
 
     recipe = load_recipe("tiny", ["attention.impl=pallas", "data.seq_len=256", *sets])
     mesh = mesh_for(recipe)
@@ -251,8 +251,8 @@ MLP_INTERMEDIATE = 65536 // DEVICES * 1792 * 2                    # [tokens, d_f
 
 def ring_peak(monkeypatch, fenced: bool) -> int:
     from lctrain.parallel import aot
-    from lctrain.trainer import build
-    from lctrain.trainer import model
+    from lctrain.trainer.state import build
+    from lctrain.trainer.model.transformer import transformer as model
     if not fenced:
         monkeypatch.setattr(model, "gradients_together", lambda *arrays: arrays)
     recipe = load_recipe("tiny", RING_SETS)

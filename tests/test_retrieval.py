@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from lctrain.recipes import RecipeError, load_recipe
-from lctrain.trainer.data import decode_tokens
-from lctrain.trainer.sources import make_source
-from lctrain.trainer.retrieval import Pieces, cell_batches, grid
+from lctrain.trainer.data.batches import decode_tokens
+from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.evaluation.retrieval import Pieces, cell_batches, grid
 
 from test_export import small_tokenizer
 

@@ -18,12 +18,12 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.parallel import make_strategy
 from lctrain.recipes import load_recipe
-from lctrain.trainer.sources import make_source
-from lctrain.trainer.init_from import InitFrom, checked_init_from, stage_start
-from lctrain.trainer.loop import train
-from lctrain.trainer.build import mesh_for
-from lctrain.trainer.model import Transformer
-from lctrain.trainer.step import build_trainable, make_loss_sums
+from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.train.init_from import InitFrom, checked_init_from, stage_start
+from lctrain.trainer.train.loop import train
+from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.model.transformer import Transformer
+from lctrain.trainer.state.step import build_trainable, make_loss_sums
 
 # Two layers: with one, XLA inlines the layer loop and XLA:CPU of jax 0.10 can run two ring
 # forwards side by side, whose permutes meet across devices (tests/test_cpu_collectives.py).
@@ -95,7 +95,7 @@ def test_init_optimizer_carries_adam_moments_and_restarts_the_schedule(stage1, t
     init = checked_init_from(InitFrom(stage1, 1, optimizer), recipe, tmp_path, QUIET)
     state, next_batch = stage_start(init, recipe, trainable, tmp_path, QUIET)
     saved = saved_state(stage1, 1)
-    # (clip, (adam, weight decay, schedule)): the chain of trainer/optimizer.py
+    # (clip, (adam, weight decay, schedule)): the chain of trainer/state/optimizer.py
     adam, schedule = state.opt_state[1][0], state.opt_state[1][2]
     saved_mu = saved["opt_state"][1][0]["mu"]["layers"]["mlp"]["up"]
     assert np.abs(saved_mu).max() > 0

@@ -11,10 +11,10 @@ from flax import nnx
 
 from lctrain.parallel import STRATEGIES, load_balanced_order, make_strategy
 from lctrain.recipes import load_recipe
-from lctrain.trainer.data import Batch
-from lctrain.trainer.build import device_batch, mesh_for
-from lctrain.trainer.model import Transformer
-from lctrain.trainer.step import BATCH_FIELDS, make_loss_sums
+from lctrain.trainer.data.batches import Batch
+from lctrain.trainer.state.build import device_batch, mesh_for
+from lctrain.trainer.model.transformer import Transformer
+from lctrain.trainer.state.step import BATCH_FIELDS, make_loss_sums
 
 SEQ, BATCH = 64, 4
 RTOL, ATOL = 1e-5, 1e-6

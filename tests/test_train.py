@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from lctrain.recipes import load_recipe
-from lctrain.trainer.sources import make_source
-from lctrain.trainer.loop import train
-from lctrain.trainer.build import device_batch, mesh_for
+from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.train.loop import train
+from lctrain.trainer.state.build import device_batch, mesh_for
 from lctrain.parallel import make_strategy
-from lctrain.trainer.step import build_trainable, make_train_step
+from lctrain.trainer.state.step import build_trainable, make_train_step
 from subprocess_env import subprocess_env
 
 
@@ -73,7 +73,7 @@ def test_default_recipe_learns_the_copy_task(tmp_path):
 
     # lctrain eval on the trained run: the copied half (positions 129-255 of each window of
     # 257 tokens) is predicted, the random first half stays at chance (1/127).
-    from lctrain.trainer.evaluate import evaluate
+    from lctrain.trainer.evaluation.evaluate import evaluate
 
     result = evaluate(load_recipe("tiny"), tmp_path)
     buckets = result["by_position"]
@@ -194,7 +194,7 @@ def test_device_batch_reads_only_what_each_shard_needs():
 def test_logged_loss_is_the_cross_entropy_and_the_z_loss_is_apart():
     """With train.z_loss the objective is cross-entropy + z * logsumexp^2; the log shows
     the cross-entropy as `loss` (what perplexity comes from) and the z-loss beside it."""
-    from lctrain.trainer.step import make_loss_sums
+    from lctrain.trainer.state.step import make_loss_sums
 
     sets = ["data.seq_len=64", "mesh.data=1"]
     recipe = load_recipe("tiny", [*sets, "train.z_loss=0.1"])

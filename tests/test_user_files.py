@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lctrain.cli.main import app
-from lctrain.trainer import hf_export
-from lctrain.trainer.safetensors_io import SafetensorsFolder
+from lctrain.trainer.hf import export as hf_export
+from lctrain.trainer.hf.safetensors_io import SafetensorsFolder
 
 from make_hf_model import make_hf_model
 from test_export import small_tokenizer

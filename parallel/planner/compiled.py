@@ -31,13 +31,13 @@ from lctrain.parallel.planner.estimate import recipe_for_plan
 from lctrain.parallel.planner.results import ABORTED, COMPILER_FAILED, Plan, is_xla_error
 from lctrain.recipes.schema import Recipe
 
-# What compiles a recipe's train step for devices: trainer.build.compile_train_step, which
+# What compiles a recipe's train step for devices: trainer.state.build.compile_train_step, which
 # the caller hands in (the planner sits below the trainer and imports none of it).
 CompileStep = Callable[[Recipe, list], Any]
 
 # What the compiling functions wrap each compile in, given its label (the CLI shows a
 # spinner and the elapsed time: each compile can take minutes). What it yields may take a
-# new `label` and an `outcome` printed instead of the time (trainer.progress.Timing).
+# new `label` and an `outcome` printed instead of the time (trainer.outputs.progress.Timing).
 Timer = Callable[[str], ContextManager]
 
 # Host memory one compile may take: llama3.1-8b at 1M tokens on v5p:2x2x1 peaks at several

@@ -36,7 +36,7 @@ v5p:4x4x4 (1M, 4M), all_gather, ulysses, ring, usp x full and offloaded remat. T
 estimate is within 11.2% of XLA's per-chip HBM (rms 5.0%, 32 points); on the held-out grid
 (256K, 1M on 4 chips, 512K with MLP chunks; 2M, 8M on 64) within 12.6% (rms 5.2%, 27
 points); on the small models' grid within 14.0% (rms 8.7%, 24 points). Every point was
-compiled again after the loss and MLP scheduling fixes of 2026-12-04 (trainer/loss.py,
+compiled again after the loss and MLP scheduling fixes of 2026-12-04 (trainer/model/loss.py,
 trainer/model.gradients_together), which moved the figures by up to 37% (ring on 64
 chips, offloaded); before them the estimate was within 14.0% / 24.5%, with usp (Ulysses
 degree above the KV heads) and all_gather at 8M on 64 chips outside 15%. The ring's and
@@ -211,7 +211,7 @@ def _attention_working_set(dm: Dims, footprint: AttentionFootprint) -> float:
 
 
 def _remat_tensors(dm: Dims) -> dict[str, float]:
-    """Bytes per token of each named tensor of one layer (trainer/model.py names)."""
+    """Bytes per token of each named tensor of one layer (trainer/model/transformer.py names)."""
     p = dm.p
     return {
         "decoder_layer_input": dm.e * p,

@@ -25,7 +25,7 @@ BYTES = {"bfloat16": 2, "float32": 4}
 class Tensor:
     name: str
     shape: tuple[int, ...]
-    axes: tuple[str | None, ...]   # logical axis names (trainer/model.py)
+    axes: tuple[str | None, ...]   # logical axis names (trainer/model/transformer.py)
     layers: int                    # how many layers hold one (0: not a layer's)
 
     @property
@@ -34,7 +34,7 @@ class Tensor:
 
 
 def parameter_tensors(recipe: Recipe) -> list[Tensor]:
-    """The model's parameters as trainer/model.py creates them (layers stacked)."""
+    """The model's parameters as trainer/model/transformer.py creates them (layers stacked)."""
     m = recipe.model
     e, h, kv, d, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab
     linear = m.layer_kinds().count("linear")
@@ -174,7 +174,7 @@ def context_kept(recipe: Recipe) -> bool:
 
 
 def loss_chunks(recipe: Recipe, c: int) -> tuple[int, int]:
-    """(number of chunks, tokens per chunk per sequence per device) as trainer/loss.py
+    """(number of chunks, tokens per chunk per sequence per device) as trainer/model/loss.py
     cuts the local part of the sequence."""
     s = recipe.data.seq_len
     chunk = resolve_chunk_tokens(recipe.loss.chunk_tokens, s)

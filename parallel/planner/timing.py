@@ -1,6 +1,6 @@
 """How long a step's compute and traffic take, and which traffic the step waits for.
 
-Time: compute = (6 x parameters + 6 L s h d_head / 2) flops per token (trainer/metrics.py)
+Time: compute = (6 x parameters + 6 L s h d_head / 2) flops per token (trainer/train/metrics.py)
 plus what remat recomputes, at the chip's bf16 peak; each collective kind at the link
 bandwidth (one link for the ring's one-way sends, two for XLA's bidirectional rings), the
 part that crosses slices (traffic.DCN sources) at the chip's share of DCN bandwidth. The

@@ -6,7 +6,7 @@ Communication, bytes one device RECEIVES per step (the convention of parallel/ao
                    them); the norm scales in f32 (2 + 4 gathers per layer).
   gradients        XLA all-reduces each layer's full gradient in the compute dtype over G
                    and keeps its shard (it does not emit a reduce-scatter): 2(G-1)/G x.
-  loss head        with the loss chunked (trainer/loss.py) the output weights are
+  loss head        with the loss chunked (trainer/model/loss.py) the output weights are
                    gathered in each chunk's forward and again in its recomputation, and
                    their gradient is all-reduced once per chunk in the compute dtype
                    (unchunked: once, f32 but for a head past HEAD_GRADIENT_F32_LIMIT):
@@ -70,7 +70,7 @@ def traffic(recipe: Recipe, dm: Dims, w: Weights, own: Traffic) -> Traffic:
                                               + w.mlp_gathered * (F32 - p)) * gf
                            + L * w.layer_norms * dm.e * F32 * gf)
     # The output weights are gathered for each chunk's forward and again for its
-    # recomputation in backward. trainer/loss.py all-reduces each chunk's gradient in the
+    # recomputation in backward. trainer/model/loss.py all-reduces each chunk's gradient in the
     # compute dtype; unchunked, XLA all-reduces it in f32, or for a head whose f32
     # gradient passes HEAD_GRADIENT_F32_LIMIT in the compute dtype (observed: f32 for
     # 1024 x 32768, bf16 for Llama 3.1 8B's 4096 x 128256).

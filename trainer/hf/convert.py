@@ -15,8 +15,8 @@ import numpy as np
 
 from lctrain.recipes.schema import ModelConfig, RecipeError
 
-from .progress import tracked
-from .safetensors_io import SafetensorsError, SafetensorsFolder
+from lctrain.trainer.outputs.progress import tracked
+from lctrain.trainer.hf.safetensors_io import SafetensorsError, SafetensorsFolder
 
 # Layouts, ours against Hugging Face's, per layer:
 #   same       identical

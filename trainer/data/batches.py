@@ -8,12 +8,12 @@ The answer depends only on (config, seed, index, row), never on what was read be
   with every other process about the global batch.
 
 Three kinds of source, chosen by `DataConfig.source` (or a weighted mixture of the file
-kinds, `DataConfig.sources`: trainer/mixture.py):
+kinds, `DataConfig.sources`: trainer/data/mixture.py):
 
 * "synthetic": a copy task (the second half of each row repeats the first half).
 * a token file (.npy or raw .bin): one stream of concatenated documents.
 * anything else: a text file or a folder of .txt files, tokenized in memory with
-  `data.tokenizer` (trainer/tokenizer.py) or, without one, byte by byte.
+  `data.tokenizer` (trainer/data/tokenizer.py) or, without one, byte by byte.
 
 A token file's eos id and element type come from its sidecar (`X.bin.json`, written by
 `lctrain tokenize`) when it has one, else from the recipe.
@@ -35,14 +35,12 @@ import numpy as np
 
 from lctrain.recipes.schema import DataConfig
 
-from .tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
+from lctrain.trainer.outputs.failures import DataError
+
+from lctrain.trainer.data.tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
 
 BYTE_EOS = 256  # end-of-document id of the byte tokenizer: the first id after the 256 bytes
 EVAL_SEED_OFFSET = 1_000_003  # the seed of the "eval" split is train.seed + this
-
-
-class DataError(ValueError):
-    """Bad data; the message names the file, what is wrong with it and how to fix it."""
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,13 @@ from rich.console import Console
 from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
 
-from .sources import make_source
-from .build import abstract_batch, device_batch, mesh_for
-from .loss import token_scores
-from .progress import Bar, tracked
-from .retrieval import OneBatch, cell_batches, grid
-from .step import build_trainable, make_forward
-from .weights import load_weights
+from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.state.build import abstract_batch, device_batch, mesh_for
+from lctrain.trainer.model.loss import token_scores
+from lctrain.trainer.outputs.progress import Bar, tracked
+from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, grid
+from lctrain.trainer.state.step import build_trainable, make_forward
+from lctrain.trainer.hf.weights import load_weights
 
 POSITION_BUCKETS = 16
 

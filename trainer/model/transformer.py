@@ -1,5 +1,5 @@
 """A Llama-3.x decoder in Flax NNX: RMSNorm, RoPE (none, linear, llama3 or yarn scaling:
-trainer/rope.py), GQA, SwiGLU, Qwen2's q/k/v biases, and what Gemma 3 adds (norms
+trainer/model/rope.py), GQA, SwiGLU, Qwen2's q/k/v biases, and what Gemma 3 adds (norms
 centred on 0, q/k norms, sublayer output norms, GeGLU, scaled embeddings, its own
 attention scale; each a model key whose default is Llama's).
 
@@ -7,7 +7,7 @@ Every parameter carries `axes`, its logical axis names; `lctrain.parallel.shardi
 them onto the mesh. Layers are stacked on a leading 'layers' axis and applied with
 `lax.scan`, so compile time does not grow with depth; with model.layer_pattern, global
 and sliding-window layers share the stack and each scan step picks its layer's kind with
-a switch, while a pattern with linear layers (Gated DeltaNet, trainer/gdn_layer.py, whose
+a switch, while a pattern with linear layers (Gated DeltaNet, trainer/model/gdn_layer.py, whose
 parameters differ and sit in a stack of their own) is scanned over its whole repeats.
 Attention itself is a callable the caller passes in per layer kind (the context-parallel
 strategy, bound to the kind's window; for linear layers their conv and delta rule), so
@@ -30,11 +30,11 @@ from lctrain.parallel.hlo import layer_share_scope
 from lctrain.recipes.schema import ModelConfig
 from lctrain.parallel.token_chunks import GatherWeight, TokenChunks
 
-from .gdn_layer import GatedDeltaNet, gdn_parameters
-from .params import param as _param, weight as _weight
+from lctrain.trainer.model.gdn_layer import GatedDeltaNet, gdn_parameters
+from lctrain.trainer.model.params import param as _param, weight as _weight
 
 # rope_frequencies and rotary_tables stay importable from here.
-from .rope import apply_rope, kind_config, rope_frequencies, rotary_tables  # noqa: F401
+from lctrain.trainer.model.rope import apply_rope, kind_config, rope_frequencies, rotary_tables  # noqa: F401
 
 
 class Attend(Protocol):

@@ -16,8 +16,8 @@ import orbax.checkpoint as ocp
 
 from lctrain.recipes.schema import CheckpointConfig
 
-from .failures import CheckpointError, is_out_of_memory
-from .step import TrainState
+from lctrain.trainer.outputs.failures import CheckpointError, is_out_of_memory
+from lctrain.trainer.state.step import TrainState
 
 
 class Checkpointer:

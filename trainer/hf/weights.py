@@ -8,9 +8,10 @@ from pathlib import Path
 
 from lctrain.recipes.schema import Recipe, RecipeError
 
-from .checkpoint import Checkpointer
-from .progress import timed
-from .step import Trainable
+from lctrain.trainer.state.checkpoint import Checkpointer
+from lctrain.trainer.outputs.progress import timed
+from lctrain.trainer.hf.convert import load_params
+from lctrain.trainer.state.step import Trainable, TrainState
 
 
 def load_weights(recipe: Recipe, trainable: Trainable, run_dir: Path | None,
@@ -40,7 +41,15 @@ def load_weights(recipe: Recipe, trainable: Trainable, run_dir: Path | None,
         raise RecipeError(f"no weights: {run_dir} has no checkpoint and model.init is "
                           f"'random'; train first (lctrain run), give --run-dir, or set "
                           f"model.init=hf:<dir>")
-    from .hf_checkpoint import load_params
-
     return (load_params(recipe.model, trainable.state_shardings.params, abstract, console),
             recipe.model.init)
+
+
+def initial_state(recipe: Recipe, trainable: Trainable, console=None) -> TrainState:
+    """Step 0: random parameters, or model.init's Hugging Face weights read straight into
+    their shards; the optimizer starts fresh either way."""
+    if recipe.model.hf_dir is None:
+        return trainable.init()
+    params = load_params(recipe.model, trainable.state_shardings.params,
+                         trainable.abstract_state.params, console)
+    return trainable.start_from(params)

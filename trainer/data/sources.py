@@ -1,5 +1,5 @@
 """Opening the recipe's data: one source (synthetic, a token file, text) or a weighted
-mixture of them (trainer/mixture.py), split into training and held-out windows. All file
+mixture of them (trainer/data/mixture.py), split into training and held-out windows. All file
 errors surface here, before training starts."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 from lctrain.recipes.schema import DataConfig
 
-from .data import (EVAL_SEED_OFFSET, DataError, DataSource, SyntheticCopySource,
-                   WindowedStreamSource, open_stream)
-from .mixture import make_mixture
+from lctrain.trainer.data.batches import (EVAL_SEED_OFFSET, DataSource, SyntheticCopySource, WindowedStreamSource, open_stream)
+from lctrain.trainer.outputs.failures import DataError
+from lctrain.trainer.data.mixture import make_mixture
 
 
 def make_source(cfg: DataConfig, *, vocab: int, seed: int, split: str = "train",

@@ -11,7 +11,7 @@ from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.parallel.planner.layer_kinds import keys_per_query
 from lctrain.recipes.schema import ModelConfig
 
-from .model import count_parameters
+from lctrain.trainer.model.transformer import count_parameters
 
 def peak_flops(device_kind: str) -> float | None:
     """Dense bf16 peak of the chip, or None for devices we have no figure for (CPU)."""
@@ -57,7 +57,7 @@ class MetricsWriter:
             soft_wrap=True)
 
     def write_eval(self, step: int, result: dict) -> None:
-        """One evaluation (trainer/evaluate.py's summary) as eval/* metrics."""
+        """One evaluation (trainer/evaluation/evaluate.py's summary) as eval/* metrics."""
         if not self.enabled:
             return
         record = {f"eval/{name}": float(result[name])

@@ -1,5 +1,5 @@
-"""How the model's layers create and read their parameters (trainer/model.py and
-trainer/gdn_layer.py share it)."""
+"""How the model's layers create and read their parameters (trainer/model/transformer.py and
+trainer/model/gdn_layer.py share it)."""
 
 from __future__ import annotations
 

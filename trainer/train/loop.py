@@ -17,19 +17,20 @@ from rich.console import Console
 from lctrain.parallel import describe_devices
 from lctrain.recipes import Recipe
 
-from .build import compile_run, device_batch, print_lines
-from .checkpoint import Checkpointer
-from .evaluate import Evaluator
-from .failures import RunFailure
-from .init_from import InitFrom, checked_init_from, stage_start
-from .metrics import MetricsWriter, peak_flops, training_flops_per_token
-from .mixture import MixtureSource, long_token_share, tokens_per_source
-from .model import count_parameters
-from .pipeline import LaggedFiniteCheck, Prefetcher
-from .progress import Bar, timed
-from .resume import check_rerun
-from .sources import make_source
-from .step import TrainState, initial_state
+from lctrain.trainer.state.build import compile_run, device_batch, print_lines
+from lctrain.trainer.state.checkpoint import Checkpointer
+from lctrain.trainer.evaluation.evaluate import Evaluator
+from lctrain.trainer.outputs.failures import RunFailure
+from lctrain.trainer.train.init_from import InitFrom, checked_init_from, stage_start
+from lctrain.trainer.train.metrics import MetricsWriter, peak_flops, training_flops_per_token
+from lctrain.trainer.data.mixture import MixtureSource, long_token_share, tokens_per_source
+from lctrain.trainer.model.transformer import count_parameters
+from lctrain.trainer.train.pipeline import LaggedFiniteCheck, Prefetcher
+from lctrain.trainer.outputs.progress import Bar, timed
+from lctrain.trainer.train.resume import check_rerun
+from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.hf.weights import initial_state
+from lctrain.trainer.state.step import TrainState
 
 def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
           devices=None, memory_limit: int | None = None,
@@ -37,7 +38,7 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     """Trains to recipe.train.steps on `devices` (default: all), resuming from run_dir's
     latest checkpoint; returns the metrics records it logged. `memory_limit` (bytes per
     device) overrides the device's memory in compile_run's fit check. `init_from` starts a
-    new stage from another run's checkpoint (trainer/init_from.py)."""
+    new stage from another run's checkpoint (trainer/train/init_from.py)."""
     is_main = jax.process_index() == 0
     console = Console(quiet=True) if not is_main else console or Console()
     rerun_note = check_rerun(recipe, run_dir)

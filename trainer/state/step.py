@@ -15,10 +15,10 @@ from lctrain.parallel.sharding import batch_sharding, parameter_shardings, repli
 from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import Recipe
 
-from .loss import LossAux, next_token_loss
-from .model import Transformer
-from .optimizer import learning_rate_schedule, make_optimizer
-from .remat import remat_policy
+from lctrain.trainer.model.loss import LossAux, next_token_loss
+from lctrain.trainer.model.transformer import Transformer
+from lctrain.trainer.state.optimizer import learning_rate_schedule, make_optimizer
+from lctrain.trainer.model.remat import remat_policy
 from lctrain.parallel.token_chunks import chunks_for
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -76,17 +76,6 @@ def build_trainable(recipe: Recipe, mesh: Mesh) -> Trainable:
         out_shardings=shardings, donate_argnums=0)
     return Trainable(graphdef, optimizer, init, start_from, abstract_state, shardings)
 
-
-def initial_state(recipe: Recipe, trainable: Trainable, console=None) -> TrainState:
-    """Step 0: random parameters, or model.init's Hugging Face weights read straight into
-    their shards; the optimizer starts fresh either way."""
-    if recipe.model.hf_dir is None:
-        return trainable.init()
-    from .hf_checkpoint import load_params
-
-    params = load_params(recipe.model, trainable.state_shardings.params,
-                         trainable.abstract_state.params, console)
-    return trainable.start_from(params)
 
 
 def _memory_kinds(mesh: Mesh) -> set[str]:

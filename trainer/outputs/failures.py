@@ -8,8 +8,11 @@ import re
 
 from lctrain.recipes.schema import RecipeError
 
-from .data import DataError
-from .output_files import OutputError
+from lctrain.trainer.outputs.files import OutputError
+
+
+class DataError(ValueError):
+    """Bad data; the message names the file, what is wrong with it and how to fix it."""
 
 
 class RunFailure(RuntimeError):

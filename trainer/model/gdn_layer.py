@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lctrain.kernels.residuals import CONTEXT
 from lctrain.recipes.schema import ModelConfig
 
-from .params import param, weight
+from lctrain.trainer.model.params import param, weight
 
 # transformers draws A (the decay rate, A_log = log A) uniformly from this range.
 DECAY_RATE_RANGE = (0.01, 16.0)
