@@ -18,8 +18,8 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"  # the topology's devices need no TPU backend
 
 from lctrain.parallel import aot, chips  # noqa: E402
-from lctrain.trainer.evaluation.evaluate import compile_eval_step  # noqa: E402
 from lctrain.recipes import load_recipe  # noqa: E402
+from lctrain.trainer.evaluation.evaluate import compile_eval_step  # noqa: E402
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from lctrain.recipes import load_recipe
-from lctrain.trainer.evaluation import retrieval
 from lctrain.trainer.data.batches import BYTE_EOS
+from lctrain.trainer.evaluation import retrieval
 
 VOCAB = 320        # bytes, end-of-document, room to spare: text samples need > BYTE_EOS
 SHORTEST = 110     # a passkey needle, question and answer take 105 byte tokens

@@ -34,9 +34,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax.numpy as jnp  # noqa: E402
 
 from lctrain.parallel import aot  # noqa: E402
-from lctrain.trainer.state import build  # noqa: E402
 from lctrain.recipes import RecipeError, load_recipe  # noqa: E402
 from lctrain.trainer.model.remat import MATMUL_OUTPUTS  # noqa: E402
+from lctrain.trainer.state import build  # noqa: E402
 
 CASES = {
     "full": ["remat.policy=full"],

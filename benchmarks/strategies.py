@@ -25,8 +25,8 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 from lctrain.parallel import aot  # noqa: E402
-from lctrain.trainer.state import build  # noqa: E402
 from lctrain.recipes import RecipeError, load_recipe  # noqa: E402
+from lctrain.trainer.state import build  # noqa: E402
 
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
 # A tiny-preset model widened to head_dim 128 (TPU lanes) with GQA, compiled in bf16.

@@ -11,8 +11,8 @@ import typer
 
 from lctrain.recipes import load_recipe, load_run_recipe
 from lctrain.trainer.data.checks import check_data
-from lctrain.trainer.outputs.files import check_target, kept_by_export
 from lctrain.trainer.data.tokenizer import tokenizer_path
+from lctrain.trainer.outputs.files import check_target, kept_by_export
 
 from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
                      default_run_dir, error_console, fail, start, wide_console)

@@ -13,9 +13,9 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
                            TransferSpeedColumn)
 
 from lctrain.trainer.data.corpus import SUFFIXES, plan_pieces, tokenize_corpus
+from lctrain.trainer.data.tokenizer import DocumentTokenizer, TokenizerError, sidecar_path
 from lctrain.trainer.outputs.failures import DataError
 from lctrain.trainer.outputs.files import OutputError, check_target
-from lctrain.trainer.data.tokenizer import DocumentTokenizer, TokenizerError, sidecar_path
 
 from .common import app, console, error_console, fail
 

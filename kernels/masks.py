@@ -10,6 +10,12 @@ also sees only keys fewer than w positions behind it, q_pos - kv_pos < w (itself
 included, so w keys at most). Positions restart per packed document, or are
 sequence indices with documents kept apart by segment ids: either way the
 difference is the distance within the document, so the window is per document.
+
+The same rule decides which blocks a kernel or a ring step visits: for a block of queries
+and a block of keys, each known by its lowest and highest position, whether some pair may
+be allowed and whether every pair is (`some_keys_visible`, `every_key_visible`). The
+element rule is that block rule for one-token blocks. The Pallas schedule, the splash
+block map and the ring's step skipping all call these two.
 """
 
 import jax
@@ -23,16 +29,34 @@ def check_window(window: int | None) -> None:
                          f"got {window!r}")
 
 
+def some_keys_visible(q_lo, q_hi, kv_lo, kv_hi, causal: bool, window: int | None = None):
+    """By position alone (segments aside): whether some query in [q_lo, q_hi] may see some
+    key in [kv_lo, kv_hi]. False means the block pair can be skipped. Broadcasts, and
+    works on scalars read from SMEM inside a kernel."""
+    visible = kv_lo <= kv_hi  # always true: gives the result the operands' type and shape
+    if causal:
+        visible = visible & (q_hi >= kv_lo)
+    if window is not None:
+        visible = visible & (q_lo - kv_hi < window)
+    return visible
+
+
+def every_key_visible(q_lo, q_hi, kv_lo, kv_hi, causal: bool, window: int | None = None):
+    """By position alone: whether every query in [q_lo, q_hi] sees every key in
+    [kv_lo, kv_hi]. True means the pair needs no positional mask."""
+    visible = kv_lo <= kv_hi
+    if causal:
+        visible = visible & (q_lo >= kv_hi)
+    if window is not None:
+        visible = visible & (q_hi - kv_lo < window)
+    return visible
+
+
 def pair_allowed(q_pos, kv_pos, q_seg, kv_seg, causal: bool, window: int | None = None):
     """Elementwise rule, broadcasting its operands (the kernels pass a column of queries
     and a row of keys, or the reverse): same segment, and if causal the key not after
     the query, and with a window the key fewer than `window` positions behind it."""
-    allowed = q_seg == kv_seg
-    if causal:
-        allowed = allowed & (q_pos >= kv_pos)
-    if window is not None:
-        allowed = allowed & (q_pos - kv_pos < window)
-    return allowed
+    return (q_seg == kv_seg) & every_key_visible(q_pos, q_pos, kv_pos, kv_pos, causal, window)
 
 
 def attention_mask(q_positions: jax.Array, kv_positions: jax.Array,

@@ -36,6 +36,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
+from .masks import every_key_visible, some_keys_visible
+
 _N_BOUNDS = 6  # pos min, pos max, seg min, seg max, pos max in seg max, pos min in seg min
 _ROW_FIELDS = 3  # first rank, count, "an empty row repeats the previous row's block"
 _INT32 = jnp.int32
@@ -91,18 +93,16 @@ def pair_visibility(q_bounds, kv_bounds, batch, i, j, nq, nkv, causal, window=No
     kv_lo, kv_hi, kv_seg_lo, kv_seg_hi, _, kv_lo_in_first = _read_bounds(
         kv_bounds, batch, j, nkv)
     some = jnp.logical_and(q_seg_lo <= kv_seg_hi, kv_seg_lo <= q_seg_hi)
-    every = jnp.logical_and(jnp.logical_and(q_seg_lo == q_seg_hi, kv_seg_lo == kv_seg_hi),
-                            q_seg_lo == kv_seg_lo)
+    some = jnp.logical_and(some, some_keys_visible(q_lo, q_hi, kv_lo, kv_hi, causal, window))
     if causal:
         # Sharing only q's last segment (= kv's first), compare within that segment.
         only_shared = q_seg_hi == kv_seg_lo
-        some = jnp.logical_and(some, q_hi >= kv_lo)
         some = jnp.logical_and(some, jnp.logical_or(jnp.logical_not(only_shared),
                                                     q_hi_in_last >= kv_lo_in_first))
-        every = jnp.logical_and(every, q_lo >= kv_hi)
-    if window is not None:
-        some = jnp.logical_and(some, q_lo - kv_hi < window)
-        every = jnp.logical_and(every, q_hi - kv_lo < window)
+    one_segment = jnp.logical_and(jnp.logical_and(q_seg_lo == q_seg_hi, kv_seg_lo == kv_seg_hi),
+                                  q_seg_lo == kv_seg_lo)
+    every = jnp.logical_and(one_segment,
+                            every_key_visible(q_lo, q_hi, kv_lo, kv_hi, causal, window))
     return some, every
 
 

@@ -52,6 +52,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
 from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, row_dot, seq_len
+from .masks import every_key_visible, some_keys_visible
 from .residuals import named_results
 
 _LANES = splash.NUM_LANES  # splash tiles the sequence in multiples of 128, even interpreted
@@ -136,11 +137,13 @@ def _block_map(q_pos, kv_pos, q_seg, kv_seg, blocks, causal):
     (q_lo, q_hi), (kv_lo, kv_hi) = _bounds(q_pos, blocks.q), _bounds(kv_pos, blocks.kv)
     if not causal:
         return jnp.where(empty, _EMPTY, _FULL), jnp.zeros(empty.shape, jnp.int32)
-    empty |= q_hi[:, None] < kv_lo[None]
-    full = q_lo[:, None] >= kv_hi[None]
+    q_lo, q_hi = q_lo[:, None], q_hi[:, None]
+    empty |= ~some_keys_visible(q_lo, q_hi, kv_lo[None], kv_hi[None], causal=True)
+    # Full by position only: splash applies the segment ids inside every visited block.
+    full = every_key_visible(q_lo, q_hi, kv_lo[None], kv_hi[None], causal=True)
     kind = jnp.where(empty, _EMPTY, jnp.where(full, _FULL, _PARTIAL))
     step = min(blocks.q, blocks.kv)
-    pattern = (kv_lo[None] - q_lo[:, None] + blocks.kv - step) // step
+    pattern = (kv_lo[None] - q_lo + blocks.kv - step) // step
     return kind, jnp.where(kind == _PARTIAL, pattern, 0)
 
 

@@ -27,7 +27,7 @@ STRATEGIES: dict[str, type[ContextStrategy]] = {
 }
 # The recipe schema cannot import this registry (it is read before jax starts), so it
 # keeps the names; they must be these, plus auto.
-assert schema.STRATEGIES == (*STRATEGIES, "auto"), (schema.STRATEGIES, tuple(STRATEGIES))
+assert schema.STRATEGY_NAMES == (*STRATEGIES, "auto"), (schema.STRATEGY_NAMES, tuple(STRATEGIES))
 assert len({s.simplicity for s in STRATEGIES.values()}) == len(STRATEGIES), \
     "each strategy needs its own simplicity rank (the planner's tie-break)"
 

@@ -28,7 +28,7 @@ class LayerStrategies:
         self.by_kind = by_kind
         self.name = name
         shared = next(iter(by_kind.values()))
-        self.mesh, self.context = shared.mesh, shared.context
+        self.mesh, self.sequence_shards = shared.mesh, shared.sequence_shards
         self.sequence_order = shared.sequence_order
         self.split_tokens, self.gather_weight = shared.split_tokens, shared.gather_weight
         self.attends = {kind: _with_window(strategy.attend, windows[kind])
@@ -62,7 +62,7 @@ def strategy_name(strategy: str | dict[str, str], ulysses: int | None = None) ->
 
 def _check_shared_layout(recipe: Recipe, by_kind: dict[str, ContextStrategy]) -> None:
     seq_len = recipe.data.seq_len
-    layouts = {kind: (s.context, s.sequence_order(seq_len)) for kind, s in by_kind.items()}
+    layouts = {kind: (s.sequence_shards, s.sequence_order(seq_len)) for kind, s in by_kind.items()}
     (first, (context, order)), *others = layouts.items()
     for kind, (other_context, other_order) in others:
         same_order = (order is None and other_order is None) or (

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from lctrain import kernels
 from lctrain.kernels.layout import (HEADS_MAJOR, TOKENS_MAJOR, convert, relayout, row_dot,
                                     tokens_major_shape)
+from lctrain.kernels.masks import some_keys_visible
 from lctrain.kernels.residuals import named_results
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import AttentionFootprint, Dims, RingTiming, Traffic
@@ -139,10 +140,8 @@ def sends_in_order(options: dict) -> bool:
 def _may_attend(q_positions, kv_positions, window):
     """False only when every key of the chunk lies in the causal future of every query
     or (with a sliding window) `window` or more positions behind every query."""
-    may = jnp.max(q_positions) >= jnp.min(kv_positions)
-    if window is not None:
-        may &= jnp.min(q_positions) - jnp.max(kv_positions) < window
-    return may
+    return some_keys_visible(jnp.min(q_positions), jnp.max(q_positions),
+                             jnp.min(kv_positions), jnp.max(kv_positions), True, window)
 
 
 def kernel_layout(chunk_tokens: int, options: dict) -> str:

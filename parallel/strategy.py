@@ -48,14 +48,14 @@ class ContextStrategy:
 
     def __init__(self, recipe: Recipe, mesh: Mesh):
         self.mesh = mesh
-        self.context = mesh.shape["context"] * mesh.shape["ulysses"]
+        self.sequence_shards = mesh.shape["context"] * mesh.shape["ulysses"]
         # The kernel is chosen for the mesh's devices, which are TPUs in an ahead-of-time
         # compile for a TPU topology even though the host is a CPU.
         self.kernel_options = dict(impl=recipe.attention.impl, block_q=recipe.attention.block_q,
                                    block_kv=recipe.attention.block_kv,
                                    platform=mesh.devices.flat[0].platform,
-                                   run_tokens=stored_chunk_tokens(recipe, self.context))
-        self.load_balance = recipe.parallel.load_balance and self.context > 1
+                                   run_tokens=stored_chunk_tokens(recipe, self.sequence_shards))
+        self.load_balance = recipe.parallel.load_balance and self.sequence_shards > 1
 
     @classmethod
     def check(cls, recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu") -> None:
@@ -119,7 +119,7 @@ class ContextStrategy:
         """
         if not self.load_balance:
             return None
-        return load_balanced_order(seq_len, self.context)
+        return load_balanced_order(seq_len, self.sequence_shards)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segment_ids: jax.Array, *, window: int | None = None) -> jax.Array:
@@ -140,7 +140,7 @@ class ContextStrategy:
         """int32 [b, s]: the index in the original sequence of every stored token, computed
         from an iota (no s-sized constant in the program)."""
         batch, seq_len = shape
-        index = (load_balanced_order(seq_len, self.context, xp=jnp) if self.load_balance
+        index = (load_balanced_order(seq_len, self.sequence_shards, xp=jnp) if self.load_balance
                  else jnp.arange(seq_len, dtype=jnp.int32))
         return jnp.broadcast_to(index.astype(jnp.int32), shape)
 

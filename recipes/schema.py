@@ -21,9 +21,10 @@ REMAT_TENSORS = (
     "context", "out_proj", "mlpwi", "mlpwo",
 )
 
-# The context-parallel strategies, as parallel/__init__.py registers them (it asserts
-# that they agree: that registry needs jax, which this module must not import), and auto.
-STRATEGIES = ("none", "all_gather", "ulysses", "ring", "usp", "halo", "state_passing", "auto")
+# The names a recipe may give parallel.strategy: the classes parallel/__init__.py registers
+# under these names (it asserts that they agree: that registry needs jax, which this module
+# must not import), and auto.
+STRATEGY_NAMES = ("none", "all_gather", "ulysses", "ring", "usp", "halo", "state_passing", "auto")
 # Strategies that run one layer kind only (halo's attend refuses window=None; state_passing
 # runs the delta rule, not attention): never a whole model's strategy.
 KIND_ONLY_STRATEGIES = {"halo": "sliding", "state_passing": "linear"}
@@ -140,7 +141,7 @@ class MeshConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: Literal[STRATEGIES] | dict[str, Literal[STRATEGIES]] = option(
+    strategy: Literal[STRATEGY_NAMES] | dict[str, Literal[STRATEGY_NAMES]] = option(
         "none", "Context-parallel strategy; 'none' needs mesh.context == 1, the others but "
                 "auto mesh.context >= 2. With model.layer_pattern, a strategy for every "
                 "layer kind, e.g. {global: ring, sliding: halo} (halo runs sliding layers "

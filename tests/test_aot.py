@@ -12,9 +12,9 @@ import math
 import pytest
 
 from lctrain.parallel import aot
-from lctrain.trainer.state import build
 from lctrain.parallel.hlo_kernels import relayouts_next_to_kernels
 from lctrain.recipes import load_recipe
+from lctrain.trainer.state import build
 
 
 def test_hbm_bytes_subtracts_the_aliased_state_once():

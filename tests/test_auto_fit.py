@@ -13,9 +13,9 @@ from rich.console import Console
 from lctrain.parallel.auto import CompiledNeed, first_that_fits, none_fits, refused_need
 from lctrain.parallel.chips import gigabytes
 from lctrain.recipes import load_recipe
+from lctrain.trainer.outputs.failures import DoesNotFit, explain, out_of_device_memory
 from lctrain.trainer.state import build
 from lctrain.trainer.train import loop
-from lctrain.trainer.outputs.failures import DoesNotFit, explain, out_of_device_memory
 
 # Two devices, one layer, 128 tokens: a compile takes seconds on CPU. Auto's ranking is
 # all_gather, ulysses, ring; which of the last two needs less than all_gather on CPU depends

@@ -5,8 +5,8 @@ import jax
 import numpy as np
 
 from lctrain.recipes import load_recipe
-from lctrain.trainer.state.checkpoint import Checkpointer
 from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.state.checkpoint import Checkpointer
 from lctrain.trainer.state.step import build_trainable
 
 

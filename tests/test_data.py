@@ -7,8 +7,8 @@ import pytest
 
 from lctrain.recipes.schema import DataConfig
 from lctrain.trainer.data.batches import BYTE_EOS, Batch, decode_tokens, encode_text
-from lctrain.trainer.outputs.failures import DataError
 from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.outputs.failures import DataError
 
 
 def config(source, *, seq_len, batch_size=1, eos_id=None, token_dtype="uint16") -> DataConfig:

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.recipes import load_run_recipe
 from lctrain.trainer.hf.export import export_hf
-from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.hf.safetensors_io import INDEX_FILE, SafetensorsFolder
-from lctrain.trainer.state.step import build_trainable
 from lctrain.trainer.hf.weights import load_weights
+from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.state.step import build_trainable
 
 from make_hf_model import make_hf_model
 from test_hf import LLAMA3, hf_logits_and_loss, loaded, our_loss, recipe_for, tokens

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.parallel import chips, planner
 from lctrain.recipes import check_against_devices, load_recipe
-from lctrain.trainer.state import build
-from lctrain.trainer.train import loop
 from lctrain.trainer.outputs.failures import explain, out_of_memory_message
 from lctrain.trainer.outputs.progress import Bar, tracked
+from lctrain.trainer.state import build
+from lctrain.trainer.train import loop
 
 SHORT = ["--set", "data.seq_len=64", "--set", "runtime.log_every=1"]
 

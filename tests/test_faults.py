@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from lctrain.cli.main import app
 from lctrain.recipes import load_recipe
-from lctrain.trainer.train import loop
 from lctrain.trainer.state.optimizer import make_optimizer
+from lctrain.trainer.train import loop
 from subprocess_env import subprocess_env
 
 

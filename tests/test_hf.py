@@ -15,8 +15,8 @@ from lctrain.kernels import attention
 from lctrain.parallel import make_strategy
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.trainer.data.batches import Batch
-from lctrain.trainer.state.build import device_batch, mesh_for
 from lctrain.trainer.hf.weights import initial_state
+from lctrain.trainer.state.build import device_batch, mesh_for
 from lctrain.trainer.state.step import BATCH_FIELDS, build_trainable, make_loss_sums
 
 from make_hf_model import make_hf_model

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lctrain.parallel.mesh import build_mesh
 from lctrain.parallel.sharding import batch_sharding, logical_spec
-from lctrain.recipes.schema import LossConfig
 from lctrain.parallel.token_chunks import DEFAULT_CHUNK_TOKENS, resolve_chunk_tokens
+from lctrain.recipes.schema import LossConfig
 from lctrain.trainer.model.loss import next_token_loss
 from tpu_aot import compiled_memory, tpu_mesh
 

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.recipes.schema import DataConfig, SourceConfig
-from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.data.mixture import MixtureSource, long_token_share, tokens_per_source
+from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.data.tokenizer import DocumentTokenizer, data_tokenizer, write_sidecar
 
 EOS, BOS = 0, 1

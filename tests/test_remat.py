@@ -26,13 +26,13 @@ import pytest
 from rich.console import Console
 
 from lctrain.kernels.jaxpr_walk import subprograms
+from lctrain.parallel.planner.shapes import count_parameters
 from lctrain.recipes import load_recipe
 from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import RecipeError
 from lctrain.trainer.state.build import mesh_for
-from lctrain.trainer.train.loop import train
-from lctrain.trainer.model.transformer import count_parameters
 from lctrain.trainer.state.step import build_trainable
+from lctrain.trainer.train.loop import train
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="TPU AOT compiles need libtpu (the tpu extra)")

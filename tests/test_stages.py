@@ -19,11 +19,11 @@ from lctrain.cli.main import app
 from lctrain.parallel import make_strategy
 from lctrain.recipes import load_recipe
 from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.model.transformer import Transformer
+from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.state.step import build_trainable, make_loss_sums
 from lctrain.trainer.train.init_from import InitFrom, checked_init_from, stage_start
 from lctrain.trainer.train.loop import train
-from lctrain.trainer.state.build import mesh_for
-from lctrain.trainer.model.transformer import Transformer
-from lctrain.trainer.state.step import build_trainable, make_loss_sums
 
 # Two layers: with one, XLA inlines the layer loop and XLA:CPU of jax 0.10 can run two ring
 # forwards side by side, whose permutes meet across devices (tests/test_cpu_collectives.py).

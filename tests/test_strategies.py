@@ -12,8 +12,8 @@ from flax import nnx
 from lctrain.parallel import STRATEGIES, load_balanced_order, make_strategy
 from lctrain.recipes import load_recipe
 from lctrain.trainer.data.batches import Batch
-from lctrain.trainer.state.build import device_batch, mesh_for
 from lctrain.trainer.model.transformer import Transformer
+from lctrain.trainer.state.build import device_batch, mesh_for
 from lctrain.trainer.state.step import BATCH_FIELDS, make_loss_sums
 
 SEQ, BATCH = 64, 4

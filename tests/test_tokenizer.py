@@ -17,13 +17,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from typer.testing import CliRunner
 
 from lctrain.cli.main import app
-from lctrain.trainer.data.checks import check_data
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.recipes.schema import DataConfig
+from lctrain.trainer.data.checks import check_data
 from lctrain.trainer.data.corpus import plan_pieces, tokenize_corpus
-from lctrain.trainer.outputs.failures import DataError
 from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.data.tokenizer import DocumentTokenizer, dtype_for_vocab, write_sidecar
+from lctrain.trainer.outputs.failures import DataError
 
 BOS, EOS = 0, 1  # the trainer gives the special tokens the first ids, in order
 DOCS = ["The quick brown fox jumps over the lazy dog.",

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 
+from lctrain.parallel import make_strategy
 from lctrain.recipes import load_recipe
 from lctrain.trainer.data.sources import make_source
-from lctrain.trainer.train.loop import train
 from lctrain.trainer.state.build import device_batch, mesh_for
-from lctrain.parallel import make_strategy
 from lctrain.trainer.state.step import build_trainable, make_train_step
+from lctrain.trainer.train.loop import train
 from subprocess_env import subprocess_env
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from kernel_harness import F32_TOL, KernelCase, assert_close, max_err
 from lctrain.kernels import attention, impl_for_call
+from lctrain.kernels.masks import every_key_visible, pair_allowed, some_keys_visible
 from lctrain.parallel.strategy import load_balanced_order
 
 BLOCK = 32
@@ -103,3 +104,20 @@ def test_splash_has_no_window():
             jax.eval_shape(lambda x: attention(x, x, x, q_positions=ids, kv_positions=ids,
                                                q_segment_ids=ids, kv_segment_ids=ids,
                                                window=bad), x)
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, 5), (False, None)])
+def test_block_visibility_is_the_element_rule_over_the_block(causal, window):
+    """The one block rule (kernels/masks.py) that the Pallas schedule, the splash block map
+    and the ring's step skipping use, against the element rule applied to every pair of
+    the two blocks: on runs of consecutive positions (as blocks of one document hold)
+    `some` is exactly "any pair allowed" and `every` exactly "all pairs allowed"."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        q_lo, kv_lo = rng.integers(0, 24, 2)
+        q = np.arange(q_lo, q_lo + rng.integers(1, 6))
+        kv = np.arange(kv_lo, kv_lo + rng.integers(1, 6))
+        allowed = pair_allowed(q[:, None], kv[None], 0, 0, causal, window)
+        bounds = (q.min(), q.max(), kv.min(), kv.max())
+        assert bool(some_keys_visible(*bounds, causal, window)) == allowed.any(), (q, kv)
+        assert bool(every_key_visible(*bounds, causal, window)) == allowed.all(), (q, kv)

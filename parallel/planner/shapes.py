@@ -15,8 +15,8 @@ from typing import Iterable
 
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.cost_model import Dims
-from lctrain.recipes.schema import Recipe
 from lctrain.parallel.token_chunks import chunks_for, resolve_chunk_tokens
+from lctrain.recipes.schema import ModelConfig, Recipe
 
 BYTES = {"bfloat16": 2, "float32": 4}
 
@@ -33,9 +33,9 @@ class Tensor:
         return self.layers > 0
 
 
-def parameter_tensors(recipe: Recipe) -> list[Tensor]:
-    """The model's parameters as trainer/model/transformer.py creates them (layers stacked)."""
-    m = recipe.model
+def parameter_tensors(m: ModelConfig) -> list[Tensor]:
+    """The model's parameters as trainer/model/transformer.py creates them (layers stacked):
+    the one inventory that the planner, the parameter count and the FLOP count read."""
     e, h, kv, d, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab
     linear = m.layer_kinds().count("linear")
     attention = m.layers - linear
@@ -54,21 +54,25 @@ def parameter_tensors(recipe: Recipe) -> list[Tensor]:
             Tensor("wk", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
             Tensor("wv", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
             Tensor("wo", (h, d, e), ("heads", "head_dim", "embed"), attention)]
+    if attention and m.qkv_bias:  # Qwen2
+        tensors += [Tensor("bq", (h, d), ("heads", "head_dim"), attention),
+                    Tensor("bk", (kv, d), ("kv_heads", "head_dim"), attention),
+                    Tensor("bv", (kv, d), ("kv_heads", "head_dim"), attention)]
     if attention and m.qk_norm:
         tensors += [Tensor(name, (d,), ("head_dim",), attention) for name in ("q_norm", "k_norm")]
     if m.post_norms:
         tensors += [Tensor(name, (e,), ("embed",), m.layers)
                     for name in ("attention_post_norm", "mlp_post_norm")]
     if linear:
-        tensors += linear_tensors(recipe, linear)
+        tensors += linear_tensors(m, linear)
     if not m.tie_embeddings:
         tensors.append(Tensor("unembedding", (e, v), ("embed", "vocab"), 0))
     return tensors
 
 
-def linear_tensors(recipe: Recipe, layers: int) -> list[Tensor]:
-    """A Gated DeltaNet's parameters (trainer/gdn_layer.GatedDeltaNet), in `layers` layers."""
-    m = recipe.model
+def linear_tensors(m: ModelConfig, layers: int) -> list[Tensor]:
+    """A Gated DeltaNet's parameters (trainer/model/gdn_layer.GatedDeltaNet), in `layers`
+    layers."""
     e, kernel = m.d_model, m.linear_conv_kernel
     hk, hv, dk, dv = (m.linear_key_heads, m.linear_value_heads, m.linear_key_head_dim,
                       m.linear_value_head_dim)
@@ -106,8 +110,8 @@ def local_elements(tensor: Tensor, axis_sizes: dict[str, int],
     return count
 
 
-def count_parameters(recipe: Recipe) -> int:
-    return sum(math.prod(t.shape) * max(t.layers, 1) for t in parameter_tensors(recipe))
+def count_parameters(model: ModelConfig) -> int:
+    return sum(math.prod(t.shape) * max(t.layers, 1) for t in parameter_tensors(model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +128,7 @@ class Weights:
 
 
 def weights(recipe: Recipe, axis_sizes: dict[str, int], c: int) -> Weights:
-    tensors = parameter_tensors(recipe)
+    tensors = parameter_tensors(recipe.model)
     by_name = {t.name: t for t in tensors}
     layer_matrices = [t for t in tensors if t.per_layer and len(t.shape) > 1]
     # remat.mlp_chunk_tokens: the MLP matrices are gathered once before the chunk loop and

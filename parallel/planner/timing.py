@@ -74,7 +74,7 @@ def _flops_per_device(recipe: Recipe, axis_sizes: dict[str, int]) -> dict:
     m = recipe.model
     devices = math.prod(axis_sizes.values())
     tokens = recipe.data.batch_size * recipe.data.seq_len
-    params = count_parameters(recipe)
+    params = count_parameters(recipe.model)
     attention_fwd = 2 * m.layers * recipe.data.seq_len * m.n_heads * m.head_dim  # causal
     if layer_kinds.is_mixed(recipe):   # sliding layers see a window, not the sequence
         attention_fwd *= layer_kinds.attention_keys_per_query(recipe)

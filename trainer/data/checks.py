@@ -12,8 +12,8 @@ from pathlib import Path
 
 from lctrain.recipes.schema import DataConfig, Recipe, RecipeError, require
 
-from lctrain.trainer.outputs.failures import DataError
 from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.outputs.failures import DataError
 from lctrain.trainer.data.tokenizer import (DocumentTokenizer, TokenizerError, check_model_tokenizer,
                         token_file_settings)
 

@@ -27,8 +27,8 @@ import numpy as np
 from lctrain.recipes.schema import DataConfig, SourceConfig
 
 from lctrain.trainer.data.batches import (BYTE_EOS, Batch, DataSource, WindowedStreamSource, open_stream)
-from lctrain.trainer.outputs.failures import DataError
 from lctrain.trainer.data.tokenizer import TokenizerError, read_sidecar
+from lctrain.trainer.outputs.failures import DataError
 
 SCAN_CHUNK = 1 << 24          # tokens per pass when finding the eos tokens of a big file
 COUNT_CHUNK = 1 << 22         # samples per pass when counting past draws

@@ -9,8 +9,8 @@ from pathlib import Path
 from lctrain.recipes.schema import DataConfig
 
 from lctrain.trainer.data.batches import (EVAL_SEED_OFFSET, DataSource, SyntheticCopySource, WindowedStreamSource, open_stream)
-from lctrain.trainer.outputs.failures import DataError
 from lctrain.trainer.data.mixture import make_mixture
+from lctrain.trainer.outputs.failures import DataError
 
 
 def make_source(cfg: DataConfig, *, vocab: int, seed: int, split: str = "train",

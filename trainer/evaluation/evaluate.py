@@ -21,12 +21,12 @@ from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
 
 from lctrain.trainer.data.sources import make_source
-from lctrain.trainer.state.build import abstract_batch, device_batch, mesh_for
+from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, grid
+from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.model.loss import token_scores
 from lctrain.trainer.outputs.progress import Bar, tracked
-from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, grid
+from lctrain.trainer.state.build import abstract_batch, device_batch, mesh_for
 from lctrain.trainer.state.step import build_trainable, make_forward
-from lctrain.trainer.hf.weights import load_weights
 
 POSITION_BUCKETS = 16
 
@@ -46,7 +46,7 @@ def make_bucket_sums(recipe: Recipe, graphdef, strategy, edges: np.ndarray):
     def bucket_sums(params, batch):
         model, hidden = forward(params, batch)
         losses, correct = token_scores(hidden, model.output_weights(), batch["targets"],
-                                       recipe.loss, strategy.context)
+                                       recipe.loss, strategy.sequence_shards)
         mask = batch["loss_mask"].astype(jnp.float32)
         bucket = (jnp.searchsorted(edges, batch["positions"], side="right") - 1).ravel()
 
@@ -119,7 +119,7 @@ def make_retrieval_scores(recipe: Recipe, graphdef, strategy):
     def retrieval_scores(params, batch):
         model, hidden = forward(params, batch)
         _, correct = token_scores(hidden, model.output_weights(), batch["targets"],
-                                  recipe.loss, strategy.context)
+                                  recipe.loss, strategy.sequence_shards)
         mask = batch["loss_mask"].astype(jnp.float32)
         return jnp.sum(correct * mask, axis=1), jnp.sum(mask, axis=1)
 

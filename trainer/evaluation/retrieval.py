@@ -23,8 +23,8 @@ import numpy as np
 from lctrain.recipes.schema import Recipe, RecipeError
 
 from lctrain.trainer.data.batches import BYTE_EOS, Batch, DataSource, encode_text
-from lctrain.trainer.state.step import BATCH_FIELDS
 from lctrain.trainer.data.tokenizer import data_tokenizer
+from lctrain.trainer.state.step import BATCH_FIELDS
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")

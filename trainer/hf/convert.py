@@ -15,8 +15,8 @@ import numpy as np
 
 from lctrain.recipes.schema import ModelConfig, RecipeError
 
-from lctrain.trainer.outputs.progress import tracked
 from lctrain.trainer.hf.safetensors_io import SafetensorsError, SafetensorsFolder
+from lctrain.trainer.outputs.progress import tracked
 
 # Layouts, ours against Hugging Face's, per layer:
 #   same       identical

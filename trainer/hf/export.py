@@ -18,15 +18,15 @@ from jax.experimental import multihost_utils
 
 from lctrain.recipes.schema import Recipe
 
-from lctrain.trainer.hf.convert import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
 from lctrain.recipes.hf_config import check_exportable, config_json
+from lctrain.trainer.data.tokenizer import DocumentTokenizer, data_tokenizer
+from lctrain.trainer.hf.convert import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
 from lctrain.trainer.hf.safetensors_io import write_folder
-from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.outputs.files import replaced
 from lctrain.trainer.outputs.progress import Bar
+from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import build_trainable
-from lctrain.trainer.data.tokenizer import DocumentTokenizer, data_tokenizer
-from lctrain.trainer.hf.weights import load_weights
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

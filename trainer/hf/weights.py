@@ -8,9 +8,9 @@ from pathlib import Path
 
 from lctrain.recipes.schema import Recipe, RecipeError
 
-from lctrain.trainer.state.checkpoint import Checkpointer
-from lctrain.trainer.outputs.progress import timed
 from lctrain.trainer.hf.convert import load_params
+from lctrain.trainer.outputs.progress import timed
+from lctrain.trainer.state.checkpoint import Checkpointer
 from lctrain.trainer.state.step import Trainable, TrainState
 
 

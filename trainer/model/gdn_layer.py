@@ -82,15 +82,6 @@ class GatedDeltaNet(nnx.Module):
                                "out_proj")
 
 
-def gdn_parameters(cfg: ModelConfig) -> int:
-    """Parameters of one GatedDeltaNet."""
-    keys = cfg.linear_key_heads * cfg.linear_key_head_dim
-    values = cfg.linear_value_heads * cfg.linear_value_head_dim
-    projections = cfg.d_model * (2 * keys + 3 * values + 2 * cfg.linear_value_heads)
-    return (projections + cfg.linear_conv_kernel * (2 * keys + values)
-            + 2 * cfg.linear_value_heads + cfg.linear_value_head_dim)
-
-
 def gated_rms_norm(x, gate, scale, eps):
     """transformers' Qwen3NextRMSNormGated: x normed over its last axis in f32, times
     `scale` in x's dtype, times SiLU(gate) in f32."""

@@ -27,10 +27,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lctrain.kernels.residuals import CONTEXT
 from lctrain.parallel.hlo import layer_share_scope
-from lctrain.recipes.schema import ModelConfig
 from lctrain.parallel.token_chunks import GatherWeight, TokenChunks
+from lctrain.recipes.schema import ModelConfig
 
-from lctrain.trainer.model.gdn_layer import GatedDeltaNet, gdn_parameters
+from lctrain.trainer.model.gdn_layer import GatedDeltaNet
 from lctrain.trainer.model.params import param as _param, weight as _weight
 
 # rope_frequencies and rotary_tables stay importable from here.
@@ -373,15 +373,3 @@ def _repeats(stacked: nnx.State, repeats: int, per_repeat: int) -> nnx.State:
 
 def _layer(states: nnx.State, i: int) -> nnx.State:
     return jax.tree.map(lambda p: p[i], states)
-
-
-def count_parameters(cfg: ModelConfig) -> int:
-    e, f, v, layers = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.layers
-    attention = e * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    biases = cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads) if cfg.qkv_bias else 0
-    qk_norms = 2 * cfg.head_dim if cfg.qk_norm else 0
-    shared = 3 * e * f + (4 if cfg.post_norms else 2) * e   # MLP and the layer's norms
-    linear = cfg.layer_kinds().count("linear")
-    embeddings = v * e * (1 if cfg.tie_embeddings else 2)
-    return ((layers - linear) * (attention + biases + qk_norms) + linear * gdn_parameters(cfg)
-            + layers * shared + embeddings + e)

@@ -15,11 +15,11 @@ from lctrain.parallel.sharding import batch_sharding, parameter_shardings, repli
 from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import Recipe
 
+from lctrain.parallel.token_chunks import chunks_for
 from lctrain.trainer.model.loss import LossAux, next_token_loss
+from lctrain.trainer.model.remat import remat_policy
 from lctrain.trainer.model.transformer import Transformer
 from lctrain.trainer.state.optimizer import learning_rate_schedule, make_optimizer
-from lctrain.trainer.model.remat import remat_policy
-from lctrain.parallel.token_chunks import chunks_for
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 HOST = "pinned_host"   # the memory kind optimizer.offload keeps the moments in
@@ -106,7 +106,7 @@ def make_forward(recipe: Recipe, graphdef: nnx.GraphDef,
     def forward(params, batch):
         model = nnx.merge(graphdef, params)
         mlp_chunks = chunks_for(recipe.remat.mlp_chunk_tokens, batch["inputs"].shape[1],
-                                strategy.context)
+                                strategy.sequence_shards)
         hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
                        attend=strategy.attends, split_tokens=strategy.split_tokens,
                        remat_policy=policy, mlp_chunks=mlp_chunks,
@@ -126,7 +126,7 @@ def make_loss_sums(recipe: Recipe, graphdef: nnx.GraphDef,
         model, hidden = forward(params, batch)
         return next_token_loss(hidden, model.output_weights(), batch["targets"],
                                batch["loss_mask"], recipe.train.z_loss, recipe.loss,
-                               sequence_shards=strategy.context)
+                               sequence_shards=strategy.sequence_shards)
 
     return loss_sums
 

@@ -24,10 +24,10 @@ from flax import nnx
 
 from lctrain.recipes.schema import Recipe, RecipeError
 
-from lctrain.trainer.state.checkpoint import Checkpointer, saved_steps
 from lctrain.trainer.model.transformer import Transformer
-from lctrain.trainer.state.optimizer import make_optimizer
 from lctrain.trainer.outputs.progress import timed
+from lctrain.trainer.state.checkpoint import Checkpointer, saved_steps
+from lctrain.trainer.state.optimizer import make_optimizer
 from lctrain.trainer.state.step import Trainable, TrainState
 
 LINEAGE_FILE = "init_from.json"

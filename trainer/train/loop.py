@@ -17,20 +17,20 @@ from rich.console import Console
 from lctrain.parallel import describe_devices
 from lctrain.recipes import Recipe
 
+from lctrain.parallel.planner.shapes import count_parameters
+from lctrain.trainer.data.mixture import MixtureSource, long_token_share, tokens_per_source
+from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.evaluation.evaluate import Evaluator
+from lctrain.trainer.hf.weights import initial_state
+from lctrain.trainer.outputs.failures import RunFailure
+from lctrain.trainer.outputs.progress import Bar, timed
 from lctrain.trainer.state.build import compile_run, device_batch, print_lines
 from lctrain.trainer.state.checkpoint import Checkpointer
-from lctrain.trainer.evaluation.evaluate import Evaluator
-from lctrain.trainer.outputs.failures import RunFailure
+from lctrain.trainer.state.step import TrainState
 from lctrain.trainer.train.init_from import InitFrom, checked_init_from, stage_start
 from lctrain.trainer.train.metrics import MetricsWriter, peak_flops, training_flops_per_token
-from lctrain.trainer.data.mixture import MixtureSource, long_token_share, tokens_per_source
-from lctrain.trainer.model.transformer import count_parameters
 from lctrain.trainer.train.pipeline import LaggedFiniteCheck, Prefetcher
-from lctrain.trainer.outputs.progress import Bar, timed
 from lctrain.trainer.train.resume import check_rerun
-from lctrain.trainer.data.sources import make_source
-from lctrain.trainer.hf.weights import initial_state
-from lctrain.trainer.state.step import TrainState
 
 def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
           devices=None, memory_limit: int | None = None,
