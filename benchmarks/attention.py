@@ -150,9 +150,9 @@ def print_relayouts(topology: str) -> None:
     """Relayout copies beside the kernel calls of a small train step (head dim 128) per
     strategy and kernel, compiled for `topology`."""
     from lctrain.parallel import aot
-    from lctrain.trainer.state import build
     from lctrain.parallel.hlo_kernels import kernel_calls, relayouts_next_to_kernels
     from lctrain.recipes import load_recipe
+    from lctrain.trainer.state import build
 
     names = {"pallas": kernels.pallas.MOSAIC_NAMES, "splash": kernels.splash.MOSAIC_NAMES}
     devices = aot.topology_devices(topology)

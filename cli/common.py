@@ -11,10 +11,10 @@ from typing import Callable, Optional, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperOption
 
 from lctrain.recipes.loader import DEFAULT_RECIPE
-from rich.markup import escape
 
 T = TypeVar("T")
 

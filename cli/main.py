@@ -16,9 +16,9 @@ import typer
 from lctrain.recipes import RecipeError, load_recipe, named_strategy
 from lctrain.trainer.data.checks import check_data
 
-from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt,
-                     console, default_run_dir, error_console, fail, start, wide_console)
 from . import models, tokenize  # noqa: F401  registers their commands
+from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
+                     default_run_dir, error_console, fail, start, wide_console)
 
 
 @app.callback()

@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 from lctrain.kernels.causal_conv import causal_conv
 from lctrain.parallel.halo import PAD_POSITION, PAD_SEGMENT
-from lctrain.parallel.state_passing import (GATES_SPEC, SEQUENCE_AXES, rows_as_runs,
-                                            runs_as_rows, local_delta_rule)
+from lctrain.parallel.state_passing import (GATES_SPEC, SEQUENCE_AXES, local_delta_rule,
+                                            rows_as_runs, runs_as_rows)
 from lctrain.parallel.strategy import HEADS_SPEC, TOKENS_SPEC, ContextStrategy
 
 CONV_SPEC = P(None, "tensor", None)   # [kernel, heads, head_dim]

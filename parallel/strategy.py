@@ -23,8 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lctrain import kernels
 from lctrain.kernels import pallas, splash
-from lctrain.parallel.cost_model import (F32, AttentionFootprint, Dims, NotOnThisMesh,
-                                         RingTiming, Traffic)
+from lctrain.parallel.cost_model import (F32, AttentionFootprint, Dims, NotOnThisMesh, RingTiming,
+                                         Traffic)
 from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_spec
 from lctrain.recipes import stored_chunks
 from lctrain.recipes.schema import Recipe, RecipeError

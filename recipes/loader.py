@@ -18,9 +18,9 @@ from .coerce import build, coerce
 from .hf_config import model_fields
 from .linear_checks import validate_linear_layers
 from .mesh_checks import validate_mesh
-from .schema import (KIND_ONLY_STRATEGIES, LAYER_KINDS, MODEL_PRESETS, REMAT_TENSORS,
-                     ROPE_KEYS, ROPE_SCALING_KEYS, ModelConfig, Recipe,
-                     RecipeError, read_rope_scaling_keys, require)
+from .schema import (KIND_ONLY_STRATEGIES, LAYER_KINDS, MODEL_PRESETS, REMAT_TENSORS, ROPE_KEYS,
+                     ROPE_SCALING_KEYS, ModelConfig, Recipe, RecipeError, read_rope_scaling_keys,
+                     require)
 
 DEFAULT_RECIPE = "quickstart"
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 # The model section lives in model_schema.py; these names stay importable from here.
 from .model_schema import (LAYER_KINDS, LLAMA31_ROPE_SCALING, MODEL_PRESETS,  # noqa: F401
-                           ROPE_KEYS, ROPE_SCALING_KEYS, LayerGroupConfig,
-                           read_rope_scaling_keys, ModelConfig, RopeScalingConfig)
+                           ROPE_KEYS, ROPE_SCALING_KEYS, LayerGroupConfig, ModelConfig,
+                           RopeScalingConfig, read_rope_scaling_keys)
 from .options import RecipeError, option, require  # noqa: F401
 
 REMAT_TENSORS = (

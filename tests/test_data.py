@@ -1,4 +1,5 @@
-"""Tests for trainer/data/batches.py: every expectation below is worked out by hand in the comments."""
+"""Tests for trainer/data/batches.py: every expectation below is worked out by hand in the
+comments."""
 
 from __future__ import annotations
 

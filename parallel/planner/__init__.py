@@ -30,9 +30,8 @@ from lctrain.parallel.planner.compiled import (Timer, attach_compiled, compile_f
 from lctrain.parallel.planner.estimate import estimate, recipe_for_strategy
 from lctrain.parallel.planner.memory import CALIBRATION, kernel_impl
 from lctrain.parallel.planner.results import HBM_HEADROOM, Plan, StrategyPlan, gap_percent
-from lctrain.parallel.planner.search import (COMPILED_BISECT_STEPS, longest_sequences,
-                                             max_fitting, max_seq_len, sequence_quantum,
-                                             with_seq_len)
+from lctrain.parallel.planner.search import (COMPILED_BISECT_STEPS, longest_sequences, max_fitting,
+                                             max_seq_len, sequence_quantum, with_seq_len)
 from lctrain.parallel.planner.shapes import (count_parameters, local_elements, loss_chunks,
                                              mlp_chunk_len, parameter_tensors)
 from lctrain.parallel.planner.traffic import KINDS

@@ -34,10 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from lctrain.recipes.schema import DataConfig
-
-from lctrain.trainer.outputs.failures import DataError
-
 from lctrain.trainer.data.tokenizer import DocumentTokenizer, TokenizerError, token_file_settings
+from lctrain.trainer.outputs.failures import DataError
 
 BYTE_EOS = 256  # end-of-document id of the byte tokenizer: the first id after the 256 bytes
 EVAL_SEED_OFFSET = 1_000_003  # the seed of the "eval" split is train.seed + this

@@ -11,11 +11,10 @@ import math
 from pathlib import Path
 
 from lctrain.recipes.schema import DataConfig, Recipe, RecipeError, require
-
 from lctrain.trainer.data.sources import make_source
+from lctrain.trainer.data.tokenizer import (DocumentTokenizer, TokenizerError,
+                                            check_model_tokenizer, token_file_settings)
 from lctrain.trainer.outputs.failures import DataError
-from lctrain.trainer.data.tokenizer import (DocumentTokenizer, TokenizerError, check_model_tokenizer,
-                        token_file_settings)
 
 
 def check_data(recipe: Recipe) -> Recipe:

@@ -26,7 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lctrain.trainer.data.batches import files_under, text_of
-from lctrain.trainer.data.tokenizer import DocumentTokenizer, dtype_for_vocab, sidecar_path, sidecar_text
+from lctrain.trainer.data.tokenizer import (DocumentTokenizer, dtype_for_vocab, sidecar_path,
+                                            sidecar_text)
 from lctrain.trainer.outputs.failures import DataError
 from lctrain.trainer.outputs.files import replaced
 

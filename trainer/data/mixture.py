@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from lctrain.recipes.schema import DataConfig, SourceConfig
-
-from lctrain.trainer.data.batches import (BYTE_EOS, Batch, DataSource, WindowedStreamSource, open_stream)
+from lctrain.trainer.data.batches import (BYTE_EOS, Batch, DataSource, WindowedStreamSource,
+                                          open_stream)
 from lctrain.trainer.data.tokenizer import TokenizerError, read_sidecar
 from lctrain.trainer.outputs.failures import DataError
 

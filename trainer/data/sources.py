@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lctrain.recipes.schema import DataConfig
-
-from lctrain.trainer.data.batches import (EVAL_SEED_OFFSET, DataSource, SyntheticCopySource, WindowedStreamSource, open_stream)
+from lctrain.trainer.data.batches import (EVAL_SEED_OFFSET, DataSource, SyntheticCopySource,
+                                          WindowedStreamSource, open_stream)
 from lctrain.trainer.data.mixture import make_mixture
 from lctrain.trainer.outputs.failures import DataError
 

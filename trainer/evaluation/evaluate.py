@@ -19,7 +19,6 @@ from rich.console import Console
 
 from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
-
 from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, grid
 from lctrain.trainer.hf.weights import load_weights

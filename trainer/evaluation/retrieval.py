@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from lctrain.recipes.schema import Recipe, RecipeError
-
 from lctrain.trainer.data.batches import BYTE_EOS, Batch, DataSource, encode_text
 from lctrain.trainer.data.tokenizer import data_tokenizer
 from lctrain.trainer.state.step import BATCH_FIELDS

@@ -14,7 +14,6 @@ import jax
 import numpy as np
 
 from lctrain.recipes.schema import ModelConfig, RecipeError
-
 from lctrain.trainer.hf.safetensors_io import SafetensorsError, SafetensorsFolder
 from lctrain.trainer.outputs.progress import tracked
 

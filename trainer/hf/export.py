@@ -16,9 +16,8 @@ import ml_dtypes
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lctrain.recipes.schema import Recipe
-
 from lctrain.recipes.hf_config import check_exportable, config_json
+from lctrain.recipes.schema import Recipe
 from lctrain.trainer.data.tokenizer import DocumentTokenizer, data_tokenizer
 from lctrain.trainer.hf.convert import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
 from lctrain.trainer.hf.safetensors_io import write_folder

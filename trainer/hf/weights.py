@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from lctrain.recipes.schema import Recipe, RecipeError
-
 from lctrain.trainer.hf.convert import load_params
 from lctrain.trainer.outputs.progress import timed
 from lctrain.trainer.state.checkpoint import Checkpointer

@@ -25,7 +25,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lctrain.kernels.residuals import CONTEXT
 from lctrain.recipes.schema import ModelConfig
-
 from lctrain.trainer.model.params import param, weight
 
 # transformers draws A (the decay rate, A_log = log A) uniformly from this range.

@@ -19,7 +19,6 @@ from lctrain.parallel.token_chunks import TokenChunks, resolve_chunk_tokens
 from lctrain.recipes.schema import LossConfig
 
 
-
 class LossAux(NamedTuple):
     """What the loss reports beside its sum: counted tokens, and the z-loss part of the sum
     (so cross-entropy = sum - z_loss is logged apart from the regulariser)."""

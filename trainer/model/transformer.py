@@ -29,12 +29,11 @@ from lctrain.kernels.residuals import CONTEXT
 from lctrain.parallel.hlo import layer_share_scope
 from lctrain.parallel.token_chunks import GatherWeight, TokenChunks
 from lctrain.recipes.schema import ModelConfig
-
 from lctrain.trainer.model.gdn_layer import GatedDeltaNet
 from lctrain.trainer.model.params import param as _param, weight as _weight
-
 # rope_frequencies and rotary_tables stay importable from here.
-from lctrain.trainer.model.rope import apply_rope, kind_config, rope_frequencies, rotary_tables  # noqa: F401
+from lctrain.trainer.model.rope import (apply_rope, kind_config, rope_frequencies,  # noqa: F401
+                                        rotary_tables)
 
 
 class Attend(Protocol):

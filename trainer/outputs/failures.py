@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 from lctrain.recipes.schema import RecipeError
-
 from lctrain.trainer.outputs.files import OutputError
 
 

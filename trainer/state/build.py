@@ -24,11 +24,11 @@ from lctrain.parallel.auto import (COMPILER_FAILED, CompiledNeed, compiler_failu
 from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.parallel.mesh import slice_count
 from lctrain.recipes import Recipe, RecipeError, check_against_devices
-
 from lctrain.trainer.data.batches import Batch, DataSource
-from lctrain.trainer.outputs.failures import DoesNotFit, RunFailure, is_out_of_memory, out_of_device_memory
+from lctrain.trainer.outputs.failures import (DoesNotFit, RunFailure, is_out_of_memory,
+                                              out_of_device_memory)
 from lctrain.trainer.state.step import (BATCH_FIELDS, Trainable, batch_shardings, build_trainable,
-                   make_train_step)
+                                        make_train_step)
 
 
 def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,

@@ -15,7 +15,6 @@ import jax
 import orbax.checkpoint as ocp
 
 from lctrain.recipes.schema import CheckpointConfig
-
 from lctrain.trainer.outputs.failures import CheckpointError, is_out_of_memory
 from lctrain.trainer.state.step import TrainState
 

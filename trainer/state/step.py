@@ -12,10 +12,9 @@ from jax.sharding import Mesh
 
 from lctrain.parallel import LayerStrategies
 from lctrain.parallel.sharding import batch_sharding, parameter_shardings, replicated
+from lctrain.parallel.token_chunks import chunks_for
 from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import Recipe
-
-from lctrain.parallel.token_chunks import chunks_for
 from lctrain.trainer.model.loss import LossAux, next_token_loss
 from lctrain.trainer.model.remat import remat_policy
 from lctrain.trainer.model.transformer import Transformer

@@ -23,7 +23,6 @@ import yaml
 from flax import nnx
 
 from lctrain.recipes.schema import Recipe, RecipeError
-
 from lctrain.trainer.model.transformer import Transformer
 from lctrain.trainer.outputs.progress import timed
 from lctrain.trainer.state.checkpoint import Checkpointer, saved_steps

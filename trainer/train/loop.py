@@ -15,9 +15,8 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from lctrain.parallel import describe_devices
-from lctrain.recipes import Recipe
-
 from lctrain.parallel.planner.shapes import count_parameters
+from lctrain.recipes import Recipe
 from lctrain.trainer.data.mixture import MixtureSource, long_token_share, tokens_per_source
 from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.evaluation.evaluate import Evaluator
@@ -31,6 +30,7 @@ from lctrain.trainer.train.init_from import InitFrom, checked_init_from, stage_s
 from lctrain.trainer.train.metrics import MetricsWriter, peak_flops, training_flops_per_token
 from lctrain.trainer.train.pipeline import LaggedFiniteCheck, Prefetcher
 from lctrain.trainer.train.resume import check_rerun
+
 
 def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
           devices=None, memory_limit: int | None = None,

@@ -9,9 +9,9 @@ from rich.console import Console
 
 from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.parallel.planner.layer_kinds import keys_per_query
+from lctrain.parallel.planner.shapes import count_parameters
 from lctrain.recipes.schema import ModelConfig
 
-from lctrain.parallel.planner.shapes import count_parameters
 
 def peak_flops(device_kind: str) -> float | None:
     """Dense bf16 peak of the chip, or None for devices we have no figure for (CPU)."""
