@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import pallas, splash, xla
+from . import pallas, splash, triton, xla
 from .layout import HEADS_MAJOR, LAYOUTS, TOKENS_MAJOR, row_dot, tokens_major_shape
 from .masks import attention_mask, check_window
 
@@ -44,14 +44,17 @@ _IMPLS = {
                      sums_grads=True),
     "splash": Kernel(splash.flash_attention, splash.flash_attention_backward, HEADS_MAJOR,
                      takes_runs=True),
+    "triton": Kernel(triton.flash_attention, triton.flash_attention_backward, TOKENS_MAJOR),
 }
 
 IMPLS = tuple(_IMPLS)
 
 # impl="auto", as the recipe schema documents it: splash on TPU where the layout allows,
-# else our Pallas kernel; xla elsewhere. The Pallas kernels are TPU kernels: on GPU an
-# explicit pallas or splash runs xla (impl_for_call).
+# else our Pallas kernel; xla elsewhere. The pallas and splash kernels are TPU kernels: on
+# GPU an explicit pallas or splash runs xla (impl_for_call). triton, the GPU kernel, is
+# chosen by name until it has been timed against cuDNN on a GPU (docs/kernels.md).
 _AUTO_PREFERENCE = {"tpu": ("splash", "pallas")}
+GPU_ONLY = "attention.impl=triton is the NVIDIA GPU kernel; on TPU use auto, pallas or splash"
 
 
 def resolve_impl(impl: str, platform: str | None = None, chunk_tokens: int | None = None) -> str:
@@ -115,7 +118,12 @@ def impl_for_call(impl: str, platform: str | None, sq: int, skv: int, block_q: i
     where its tiles fit these lengths and there is no `window`, else our Pallas kernel;
     on GPU always xla. ValueError for impl="splash" with a window (splash has none)."""
     name = resolve_impl(impl, platform, run_tokens)
-    if (platform or jax.default_backend()) == "gpu":
+    on = platform or jax.default_backend()
+    if name == "triton":
+        if on == "tpu":
+            raise ValueError(GPU_ONLY)
+        return name  # on CPU it runs interpreted (the tests)
+    if on == "gpu":
         return "xla"
     if window is not None and name == "splash":
         if impl == "auto":

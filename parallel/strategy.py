@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lctrain import kernels
-from lctrain.kernels import pallas, splash
+from lctrain.kernels import pallas, splash, triton
 from lctrain.parallel.cost_model import (F32, AttentionFootprint, Dims, NotOnThisMesh, RingTiming,
                                          Traffic)
 from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_spec
@@ -189,7 +189,24 @@ def check_kernel_layout(recipe: Recipe, axis_sizes: dict[str, int],
     kernel's TPU tiles."""
     if recipe.attention.impl == "splash":
         _check_splash_layout(recipe, axis_sizes, kernel_lengths)
+    if recipe.attention.impl == "triton":
+        _check_triton_tiles(recipe, kernel_lengths, platform)
     _check_pallas_tiles(recipe, axis_sizes, kernel_lengths, platform)
+
+
+def _check_triton_tiles(recipe: Recipe, kernel_lengths: tuple[int, int], platform: str) -> None:
+    """The GPU kernel runs on GPUs only, and its matmuls need tiles of at least
+    kernels.triton.MIN_TILE tokens (interpret mode on CPU takes any length)."""
+    key = "recipe key 'attention.impl' = 'triton'"
+    if platform == "tpu":
+        raise RecipeError(f"{key}: {kernels.GPU_ONLY}")
+    short = [n for n in kernel_lengths if n % triton.MIN_TILE]
+    if platform == "gpu" and short:
+        raise RecipeError(
+            f"{key}: a kernel call of {short[0]} tokens (data.seq_len {recipe.data.seq_len}) "
+            f"is not a multiple of the {triton.MIN_TILE}-token tiles its matmuls need; make "
+            f"data.seq_len a multiple of "
+            f"{triton.MIN_TILE * recipe.data.seq_len // min(kernel_lengths)}")
 
 
 def _check_pallas_tiles(recipe: Recipe, axis_sizes: dict[str, int],

@@ -166,12 +166,14 @@ class ParallelConfig:
 
 @dataclass
 class AttentionConfig:
-    impl: Literal["xla", "pallas", "splash", "auto"] = option(
+    impl: Literal["xla", "pallas", "splash", "triton", "auto"] = option(
         "auto", "Attention kernel: auto (on TPU splash for every kernel call its tiles fit, "
                 "else pallas; xla elsewhere), blockwise XLA reference (computes every block "
                 "pair: twice the causal FLOPs), our Pallas kernel (Mosaic on TPU, interpreted "
-                "and slow on CPU), or jax's splash kernel (TPU; needs every chunk of the "
-                "stored sequence to be a multiple of 128 tokens).")
+                "and slow on CPU), jax's splash kernel (TPU; needs every chunk of the "
+                "stored sequence to be a multiple of 128 tokens), or our GPU kernel (Pallas "
+                "through Triton on NVIDIA GPUs, skipping masked blocks; interpreted on CPU; "
+                "not yet timed on a GPU, so auto does not pick it).")
     block_q: int = option(512, "Query block size of the blockwise kernels.")
     block_kv: int = option(512, "Key/value block size of the blockwise kernels.")
 

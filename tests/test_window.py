@@ -20,7 +20,7 @@ from lctrain.parallel.strategy import load_balanced_order
 
 BLOCK = 32
 CASES = {impl: KernelCase(impl=impl, b=2, s=96, hq=8, d=16, block=BLOCK)
-         for impl in ("xla", "pallas")}
+         for impl in ("xla", "pallas", "triton")}
 S = 96
 WINDOWS = [8, 40, 64]
 
@@ -40,7 +40,7 @@ def _layout(case, name):
 
 @pytest.mark.parametrize("layout", ["in_order", "packed", "load_balanced"])
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "triton"])
 def test_windowed_kernel_matches_dense(impl, window, layout):
     """out, lse, dq, dk, dv within F32_TOL of dense attention with the window."""
     case = CASES[impl]
@@ -61,11 +61,12 @@ def test_window_of_the_whole_sequence_is_global(impl):
     assert_close(got, global_reference)
 
 
-def test_pallas_skips_blocks_outside_the_window():
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
+def test_pallas_kernels_skip_blocks_outside_the_window(impl):
     """Window 8, one document in order: q block 2 (positions 64..95) sees keys from 57
     on, so kv block 0 is outside its window and must be skipped, not masked: NaN keys
     and values there do not reach q block 2's out, lse or dq (0 * NaN would)."""
-    case = CASES["pallas"]
+    case = CASES[impl]
     q, k, v = case.qkv(22)
     pos, seg = case.arange(), case.one_segment()
     k_nan, v_nan = (x.at[:, :BLOCK].set(jnp.nan) for x in (k, v))

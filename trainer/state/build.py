@@ -39,10 +39,9 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
     devices = jax.devices() if devices is None else devices
     sizes, _ = resolve_strategy(recipe, devices, console)
     classes, platform = dict.fromkeys(strategy_classes(recipe).values()), devices[0].platform
-    if platform == "cpu" and recipe.attention.impl in ("pallas", "splash") and console:
-        console.print(f"note: attention.impl={recipe.attention.impl} runs in Pallas interpret "
-                      f"mode on CPU: exact but slow (attention.impl=auto takes xla here)",
-                      markup=False, soft_wrap=True)
+    note = kernel_note(recipe.attention.impl, platform)
+    if note and console:
+        console.print(f"note: {note}", markup=False, soft_wrap=True)
     if not evaluating:
         for strategy in classes:
             strategy.check(recipe, sizes, platform)
@@ -55,6 +54,19 @@ def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
                 raise
             raise RecipeError(str(err).replace("data.seq_len", "eval.seq_len")) from None
     return build_mesh(sizes, recipe.parallel.ulysses, devices, recipe.mesh.dcn_sizes())
+
+
+def kernel_note(impl: str, platform: str) -> str | None:
+    """What the user should know about the attention kernel `impl` on `platform`, if any:
+    never a silent fallback to a slower kernel."""
+    if platform == "cpu" and impl in ("pallas", "splash", "triton"):
+        return (f"attention.impl={impl} runs in Pallas interpret mode on CPU: exact but slow "
+                f"(attention.impl=auto takes xla here)")
+    if platform == "gpu" and impl != "triton":
+        return (f"attention.impl={impl} runs the blockwise XLA kernel on GPU; "
+                f"attention.impl=triton is the fused GPU kernel (not yet timed on a GPU, so "
+                f"auto does not pick it)")
+    return None
 
 
 def resolve_strategy(recipe: Recipe, devices, console: Console | None = None
