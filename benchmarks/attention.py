@@ -16,8 +16,11 @@ heads (32 query / 8 KV of 128, bf16), `jax.value_and_grad` of the output's sum, 
 --repeats runs after a warm-up. TFLOP/s counts the causal half of the score matrix:
 forward 2 matmuls = 4 s^2/2 h d flops, backward 2.5x the forward. On a CPU only `xla`
 runs at a useful speed (the Pallas kernel runs in interpret mode there: pass --impls
-pallas to see it, at small lengths). On a GPU the Pallas kernels (TPU kernels) do not run:
-it times xla beside cuDNN's fused attention (jax.nn.dot_product_attention).
+pallas to see it, at small lengths). On a GPU it times our Triton kernel and xla beside
+cuDNN's fused attention (jax.nn.dot_product_attention), for one causal document and for
+four packed ones (--layouts); cuDNN takes no segment ids through that call, so it has no
+packed row. TFLOP/s of a packed row counts each document's causal half only. --json
+writes the rows.
 
 Memory: the same forward+backward compiled for ONE chip of the topology at --memory-seq-
 lens tokens (32K, 128K, 512K: what one chip holds under context parallelism), peak HBM
@@ -27,9 +30,11 @@ and temporaries as memory_analysis() reports them. Needs the tpu extra.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +51,10 @@ STRUCTURE_TOKENS, STRUCTURE_BLOCK = 4096, 512
 
 
 def attention_loss(impl: str, platform: str | None, block: int):
-    """(q, k, v, positions) -> sum of causal attention's output, for value_and_grad."""
+    """(q, k, v, positions, segments) -> sum of causal attention's output, for
+    value_and_grad."""
 
-    def loss(q, k, v, positions):
-        segments = jnp.ones_like(positions)
+    def loss(q, k, v, positions, segments):
         out = kernels.attention(q, k, v, q_positions=positions, kv_positions=positions,
                                 q_segment_ids=segments, kv_segment_ids=segments, causal=True,
                                 impl=impl, block_q=block, block_kv=block, platform=platform)
@@ -62,36 +67,53 @@ def shapes(seq_len: int, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
     return (jax.ShapeDtypeStruct((1, seq_len, HEADS, HEAD_DIM), dtype),
             jax.ShapeDtypeStruct((1, seq_len, KV_HEADS, HEAD_DIM), dtype),
             jax.ShapeDtypeStruct((1, seq_len, KV_HEADS, HEAD_DIM), dtype),
+            jax.ShapeDtypeStruct((1, seq_len), jnp.int32),
             jax.ShapeDtypeStruct((1, seq_len), jnp.int32))
 
 
-def causal_flops(seq_len: int) -> float:
-    forward = 4 * (seq_len * seq_len / 2) * HEADS * HEAD_DIM
+def document_lengths(seq_len: int, layout: str) -> list[int]:
+    """One causal document, or four packed ones of unequal lengths."""
+    if layout == "causal":
+        return [seq_len]
+    cuts = [0, seq_len // 5, seq_len // 2, 4 * seq_len // 5, seq_len]
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def ids(seq_len: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    """(positions restarting per document, segment ids), [1, seq_len] each."""
+    lengths = document_lengths(seq_len, layout)
+    return (np.concatenate([np.arange(n) for n in lengths])[None].astype(np.int32),
+            np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32))
+
+
+def causal_flops(seq_len: int, layout: str = "causal") -> float:
+    forward = sum(4 * (n * n / 2) * HEADS * HEAD_DIM for n in document_lengths(seq_len, layout))
     return 3.5 * forward
 
 
 def cudnn_loss():
     """The vendor's fused attention on a GPU (cuDNN), beside ours as splash is on a TPU."""
 
-    def loss(q, k, v, positions):
+    def loss(q, k, v, positions, segments):
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         return jnp.sum(out.astype(jnp.float32))
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
-def time_impl(impl: str, seq_len: int, block: int, repeats: int, dtype) -> float:
+def time_impl(impl: str, seq_len: int, block: int, repeats: int, dtype,
+              layout: str = "causal") -> float:
     """Median seconds of one forward+backward on the default backend."""
     rng = np.random.default_rng(0)
-    q, k, v, positions = (jnp.asarray(rng.standard_normal(s.shape), s.dtype)
-                          if s.dtype != jnp.int32 else jnp.arange(seq_len)[None]
-                          for s in shapes(seq_len, dtype))
+    q, k, v = (jnp.asarray(rng.standard_normal(s.shape), s.dtype)
+               for s in shapes(seq_len, dtype)[:3])
     step = jax.jit(cudnn_loss() if impl == "cudnn" else attention_loss(impl, None, block))
-    jax.block_until_ready(step(q, k, v, positions))
+    args = (q, k, v, *map(jnp.asarray, ids(seq_len, layout)))
+    jax.block_until_ready(step(*args))
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(step(q, k, v, positions))
+        jax.block_until_ready(step(*args))
         runs.append(time.perf_counter() - start)
     return statistics.median(runs)
 
@@ -172,17 +194,42 @@ def print_relayouts(topology: str) -> None:
                   f"{len(found):>11}", flush=True)
 
 
+def print_timings(impls: list[str], args, dtype) -> list[dict]:
+    """One row per (layout, impl, length): ms and TFLOP/s, printed as they come."""
+    device = jax.devices()[0].device_kind
+    print(f"\ntime on {jax.default_backend()} ({device})")
+    print(f"{'layout':<8}{'impl':<8}{'seq_len':>9}{'ms':>12}{'TFLOP/s':>10}")
+    rows = []
+    for layout in args.layouts:
+        for impl in impls:
+            if impl == "cudnn" and layout != "causal":
+                continue  # no segment ids through jax.nn.dot_product_attention
+            for seq_len in args.time_seq_lens:
+                seconds = time_impl(impl, seq_len, args.block, args.repeats, dtype, layout)
+                name = impl if impl == "cudnn" else kernels.resolve_impl(impl)
+                tflops = causal_flops(seq_len, layout) / seconds / 1e12
+                print(f"{layout:<8}{name:<8}{seq_len:>9}{seconds * 1e3:>12.1f}{tflops:>10.3f}",
+                      flush=True)
+                rows.append(dict(device=device, layout=layout, impl=name, seq_len=seq_len,
+                                 ms=seconds * 1e3, tflops=tflops))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impls", nargs="+", default=None, choices=kernels.IMPLS,
                         help="default: xla on CPU, every kernel elsewhere")
-    parser.add_argument("--time-seq-lens", type=int, nargs="*", default=[2048, 4096, 8192])
+    parser.add_argument("--time-seq-lens", type=int, nargs="*", default=None,
+                        help="default: 8K, 32K, 128K on a GPU; 2K, 4K, 8K elsewhere")
     parser.add_argument("--memory", metavar="TOPOLOGY", default=None,
                         help="also compile for one chip of this TPU topology, e.g. v5p:2x2x1")
     parser.add_argument("--memory-seq-lens", type=int, nargs="+",
                         default=[32768, 131072, 524288])
     parser.add_argument("--block", type=int, default=512, help="block_q = block_kv")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layouts", nargs="+", default=["causal", "packed"],
+                        choices=["causal", "packed"], help="timed mask layouts")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the timed rows")
     parser.add_argument("--relayouts", metavar="TOPOLOGY", default=None,
                         help="without an accelerator: also count relayouts beside the kernel "
                              "calls of each strategy compiled for this TPU topology")
@@ -191,8 +238,10 @@ def main(argv=None) -> int:
     with shown_only_on_failure():  # libtpu's start-up warnings where no TPU is attached
         backend = jax.default_backend()
     impls = args.impls or list(kernels.IMPLS)
-    if backend == "gpu":  # the Pallas kernels are TPU kernels: ours is xla there
-        impls = ["xla", "cudnn"]
+    if backend == "gpu":  # pallas and splash are TPU kernels: ours is triton there
+        impls = args.impls or ["triton", "cudnn", "xla"]
+    if args.time_seq_lens is None:
+        args.time_seq_lens = [8192, 32768, 131072] if backend == "gpu" else [2048, 4096, 8192]
     if backend == "cpu" and not args.impls:
         print("no accelerator here (jax's backend is cpu, where the Pallas kernels run "
               "interpreted): no timing, the kernels' structure instead")
@@ -202,14 +251,9 @@ def main(argv=None) -> int:
         print(f"causal attention, 1 x seq x {HEADS} heads ({KV_HEADS} KV) x {HEAD_DIM}, "
               f"bf16, blocks {args.block}; forward+backward")
     if args.time_seq_lens:
-        print(f"\ntime on {backend} ({jax.devices()[0].device_kind})")
-        print(f"{'impl':<8}{'seq_len':>9}{'ms':>12}{'TFLOP/s':>10}")
-        for impl in impls:
-            for seq_len in args.time_seq_lens:
-                seconds = time_impl(impl, seq_len, args.block, args.repeats, dtype)
-                name = impl if impl == "cudnn" else kernels.resolve_impl(impl)
-                print(f"{name:<8}{seq_len:>9}{seconds * 1e3:>12.1f}"
-                      f"{causal_flops(seq_len) / seconds / 1e12:>10.3f}", flush=True)
+        rows = print_timings(impls, args, dtype)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.memory:
         from lctrain.parallel.aot import topology_devices
 

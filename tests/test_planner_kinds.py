@@ -156,7 +156,7 @@ def test_plan_shows_each_kinds_choice_and_compiles_the_map():
      (1 + (64 - 64 * 63 / 1024) / 256) / 2),
     ("[{kind: linear, count: 3}, {kind: global}]", 1 / 4)])
 def test_mfu_counts_attention_per_layer_kind(pattern, keys):
-    """The run's MFU (trainer/metrics) and the planner count a sliding layer's window and
+    """The run's MFU (trainer/train/metrics) and the planner count a sliding layer's window and
     no attention in linear layers: by hand, at 512 tokens, a [sliding, global] model's
     query sees (1 + (w - w(w-1)/2s) / (s/2)) / 2 of an all-global model's keys on average
     over its layers; [linear x3, global] a quarter."""

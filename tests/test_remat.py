@@ -263,7 +263,7 @@ def ring_peak(monkeypatch, fenced: bool) -> int:
 @pytest.mark.slow
 @needs_libtpu
 def test_mlp_weight_gradients_are_done_before_the_ring_backward(monkeypatch):
-    """Without trainer/model.gradients_together XLA schedules the MLP's weight-gradient
+    """Without trainer/model/transformer.gradients_together XLA schedules the MLP's weight-gradient
     matmuls after the layer's ring backward (nothing else in the layer needs them) and
     holds the MLP's [tokens, d_ff] intermediates through it (1.9 of them more at the
     peak here, 474 against 581 MiB; llama3.1-8b at 256K tokens, 8.99 GB per chip). The

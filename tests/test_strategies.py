@@ -180,6 +180,14 @@ def test_pallas_kernel_matches_single_device(reference, strategy, mesh, extra):
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
+def test_triton_kernel_matches_single_device(reference, strategy):
+    """attention.impl=triton (the GPU kernel, interpreted on CPU) in every strategy."""
+    extra = ["attention.impl=triton", *(["parallel.ulysses=2"] if strategy == "usp" else [])]
+    recipe = recipe_for(strategy, MESHES["data2_context4"], 2, extra=extra)
+    assert_matches(reference[2], *loss_and_grads(recipe, jax.devices()))
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
 def test_splash_kernel_matches_single_device(splash_reference, strategy):
     extra = ["attention.impl=splash", *(["parallel.ulysses=2"] if strategy == "usp" else [])]
     recipe = recipe_for(strategy, MESHES["data2_context4"], 2, extra=extra, seq=SPLASH_SEQ)

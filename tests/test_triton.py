@@ -14,8 +14,8 @@ import pytest
 from kernel_harness import KernelCase, kernel_call_names
 from lctrain.kernels import triton
 from lctrain.recipes import load_recipe
-from lctrain.recipes.schema import RecipeError
 from lctrain.parallel import STRATEGIES
+from lctrain.recipes.schema import RecipeError
 from lctrain.trainer.state.build import kernel_note
 from test_halo import B, SEQ, grads_of, inputs, strategy_for
 
@@ -79,8 +79,8 @@ def test_every_strategy_lowers_to_the_triton_kernels_for_cuda(name, extra, windo
 
 
 def test_triton_is_refused_on_tpu_and_where_its_tiles_do_not_fit():
-    recipe = load_recipe("tiny", ["attention.impl=triton", "data.seq_len=1000", "parallel.strategy=ring",
-                                  "mesh.context=4", "mesh.data=1"])
+    recipe = load_recipe("tiny", ["attention.impl=triton", "data.seq_len=1000",
+                                  "parallel.strategy=ring", "mesh.context=4", "mesh.data=1"])
     sizes = {"data": 1, "fsdp": 1, "context": 4, "ulysses": 1, "tensor": 1}
     with pytest.raises(RecipeError, match="attention.impl' = 'triton'.*NVIDIA GPU kernel"):
         STRATEGIES["ring"].check(recipe, sizes, "tpu")

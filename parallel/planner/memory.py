@@ -37,7 +37,7 @@ estimate is within 11.2% of XLA's per-chip HBM (rms 5.0%, 32 points); on the hel
 (256K, 1M on 4 chips, 512K with MLP chunks; 2M, 8M on 64) within 12.6% (rms 5.2%, 27
 points); on the small models' grid within 14.0% (rms 8.7%, 24 points). Every point was
 compiled again after the loss and MLP scheduling fixes of 2026-12-04 (trainer/model/loss.py,
-trainer/model.gradients_together), which moved the figures by up to 37% (ring on 64
+trainer/model/transformer.gradients_together), which moved the figures by up to 37% (ring on 64
 chips, offloaded); before them the estimate was within 14.0% / 24.5%, with usp (Ulysses
 degree above the KV heads) and all_gather at 8M on 64 chips outside 15%. The ring's and
 usp's points were compiled again on 2026-12-05 after the ring backward's new order
@@ -80,7 +80,7 @@ CALIBRATION = {
     "ring_attention_copies": 1.193,
     # One layer's backward MLP intermediates, in units of 5 [b, tokens, d_ff] (gate, up,
     # silu(gate) * up and two gradients; tokens: one chunk with remat.mlp_chunk_tokens):
-    # 1.605 on the programs before trainer/model.gradients_together (their 64-chip ring
+    # 1.605 on the programs before trainer/model/transformer.gradients_together (their 64-chip ring
     # program placed bf16 [16384, 14336] buffers at 8-9 offsets), 0.985 since.
     "layer_backward": 0.985,
     # [b, s_l, d_model] compute-dtype tensors alive in one layer's backward (inputs,

@@ -69,7 +69,7 @@ def _bandwidth(chip: Chip, kind: str, across_slices: bool = False) -> float:
 
 
 def _flops_per_device(recipe: Recipe, axis_sizes: dict[str, int]) -> dict:
-    """Model flops (trainer/metrics.training_flops_per_token) and hardware flops (plus
+    """Model flops (trainer/train/metrics.training_flops_per_token) and hardware flops (plus
     what remat recomputes) per device per step."""
     m = recipe.model
     devices = math.prod(axis_sizes.values())
