@@ -13,8 +13,8 @@ import pytest
 
 from kernel_harness import KernelCase, kernel_call_names
 from lctrain.kernels import triton
-from lctrain.recipes import load_recipe
 from lctrain.parallel import STRATEGIES
+from lctrain.recipes import load_recipe
 from lctrain.recipes.schema import RecipeError
 from lctrain.trainer.state.build import kernel_note
 from test_halo import B, SEQ, grads_of, inputs, strategy_for
