@@ -4,9 +4,10 @@
 what one device holds in HBM (and pinned host memory) at the step's peak and what it
 receives over the interconnect per step, how long that takes against the step's compute,
 and recommends one. Every figure is a formula over the shapes the code creates; the
-formulas were derived from `trainer/model/transformer.py`, `trainer/model/loss.py`, `trainer/state/step.py`,
-`parallel/sharding.py` and the strategy files, then checked against what XLA's TPU
-compiler does with them (`lctrain plan --compile`, `tests/test_planner.py -m slow`).
+formulas were derived from `trainer/model/transformer.py`, `trainer/model/loss.py`,
+`trainer/state/step.py`, `parallel/sharding.py` and the strategy files, then checked
+against what XLA's TPU compiler does with them (`lctrain plan --compile`,
+`tests/test_planner.py -m slow`).
 Where the compiler does something the code does not say, the term says so.
 
 One module per concern, each with its part of the model in its docstring:
