@@ -252,7 +252,7 @@ MLP_INTERMEDIATE = 65536 // DEVICES * 1792 * 2                    # [tokens, d_f
 def ring_peak(monkeypatch, fenced: bool) -> int:
     from lctrain.parallel import aot
     from lctrain.trainer.state import build
-    from lctrain.trainer.model.transformer import transformer as model
+    from lctrain.trainer.model import transformer as model
     if not fenced:
         monkeypatch.setattr(model, "gradients_together", lambda *arrays: arrays)
     recipe = load_recipe("tiny", RING_SETS)
