@@ -20,7 +20,7 @@ from .strategy import ContextStrategy
 
 class LayerStrategies:
     """What the step needs of the strategies: `attends` (kind -> the model's attend), and
-    the stored layout they share (`sequence_order`, `context`, `split_tokens`,
+    the stored layout they share (`sequence_order`, `sequence_shards`, `split_tokens`,
     `gather_weight`), read from the first kind's strategy."""
 
     def __init__(self, by_kind: dict[str, ContextStrategy], windows: dict[str, int | None],
