@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from lctrain.recipes import schema
+from lctrain import kernels
+from lctrain.recipes import check_against_devices, schema
 from lctrain.recipes.schema import Recipe, RecipeError
 
 from .all_gather import AllGather
 from .halo import Halo
 from .layer_strategies import LayerStrategies, layer_strategies
-from .mesh import MESH_AXES, build_mesh, describe_devices
+from .mesh import MESH_AXES, build_mesh, describe_devices, slice_count
 from .none import NoContextParallel
 from .ring import Ring
 from .state_passing import StatePassing
-from .strategy import ContextStrategy, load_balanced_order
+from .strategy import ContextStrategy, load_balanced_order, stored_chunk_tokens
 from .ulysses import Ulysses
 from .usp import UnifiedSequenceParallel
 
@@ -43,6 +44,31 @@ def strategy_classes(recipe: Recipe) -> dict[str, type[ContextStrategy]]:
     return {kind: STRATEGIES[name] for kind, name in names.items()}
 
 
+def kernels_by_kind(recipe: Recipe, devices) -> dict[str, str]:
+    """The attention kernel (a registered impl) that each attention layer kind's calls run
+    on `devices`: what attention.impl=auto, or a TPU kernel on a GPU, comes to."""
+    a, platform = recipe.attention, devices[0].platform
+    sizes = check_against_devices(recipe, len(devices), slice_count(devices))
+    run_tokens = stored_chunk_tokens(recipe, sizes["context"])
+    return {kind: kernels.impl_for_call(a.impl, platform, *cls.kernel_lengths(recipe, sizes),
+                                        a.block_q, a.block_kv, run_tokens,
+                                        recipe.model.layer_group(kind).window)
+            for kind, cls in strategy_classes(recipe).items() if kind != "linear"}
+
+
+def attention_kernels(recipe: Recipe, devices) -> str:
+    """attention.impl and what it comes to per layer kind, as a run's first line says it:
+    "xla" where that is the kernel asked for, else e.g. "auto: global splash, sliding
+    pallas" (one name where every kind got the same)."""
+    chosen, impl = kernels_by_kind(recipe, devices), recipe.attention.impl
+    names = set(chosen.values())
+    if names <= {impl}:
+        return impl
+    if len(names) == 1:
+        return f"{impl}: {names.pop()}"
+    return f"{impl}: " + ", ".join(f"{kind} {name}" for kind, name in chosen.items())
+
+
 def make_strategy(recipe: Recipe, mesh: Mesh) -> LayerStrategies:
     """The strategy of every layer kind (one instance per strategy named), as the step
     uses them."""
@@ -51,5 +77,6 @@ def make_strategy(recipe: Recipe, mesh: Mesh) -> LayerStrategies:
     return layer_strategies(recipe, {kind: instances[cls] for kind, cls in classes.items()})
 
 
-__all__ = ["MESH_AXES", "STRATEGIES", "ContextStrategy", "LayerStrategies", "build_mesh",
-           "describe_devices", "load_balanced_order", "make_strategy", "strategy_classes"]
+__all__ = ["MESH_AXES", "STRATEGIES", "ContextStrategy", "LayerStrategies", "attention_kernels",
+           "build_mesh", "describe_devices", "kernels_by_kind", "load_balanced_order",
+           "make_strategy", "strategy_classes"]

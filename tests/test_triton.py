@@ -5,6 +5,7 @@ slower, and that a recipe that cannot run it stops before compiling.
 """
 
 import re
+from types import SimpleNamespace
 from unittest import mock
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 
 from kernel_harness import KernelCase, kernel_call_names
 from lctrain.kernels import triton
-from lctrain.parallel import STRATEGIES
+from lctrain.parallel import STRATEGIES, attention_kernels
 from lctrain.recipes import load_recipe
 from lctrain.recipes.schema import RecipeError
 from lctrain.trainer.state.build import kernel_note
@@ -94,3 +95,17 @@ def test_a_gpu_run_says_when_it_is_not_on_the_fused_kernel():
     assert kernel_note("triton", "gpu") is None
     assert "interpret mode" in kernel_note("triton", "cpu")
     assert kernel_note("auto", "tpu") is None
+
+
+@pytest.mark.parametrize("impl, platform, want", [
+    ("auto", "tpu", "auto: sliding pallas, global splash"), ("auto", "gpu", "auto: xla"),
+    ("triton", "gpu", "triton"), ("xla", "cpu", "xla"), ("auto", "cpu", "auto: xla")])
+def test_a_run_names_the_kernel_each_layer_kind_got(impl, platform, want):
+    """The run's first line: splash has no window, so auto gives sliding layers the Pallas
+    kernel on TPU; GPUs run xla unless triton is asked for."""
+    recipe = load_recipe("tiny", [
+        f"attention.impl={impl}", "data.seq_len=4096", "mesh.context=4", "mesh.data=1",
+        "parallel.strategy={global: ring, sliding: halo}", "model.layers=2",
+        "model.layer_pattern=[{kind: sliding, count: 1, window: 512}, {kind: global}]"])
+    devices = [SimpleNamespace(platform=platform, slice_index=0)] * 4
+    assert attention_kernels(recipe, devices) == want

@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from rich.console import Console
 
-from lctrain.parallel import describe_devices
+from lctrain.parallel import attention_kernels, describe_devices
 from lctrain.parallel.planner.shapes import count_parameters
 from lctrain.recipes import Recipe
 from lctrain.trainer.data.mixture import MixtureSource, long_token_share, tokens_per_source
@@ -74,7 +74,7 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     console.print(f"{describe_devices(mesh, recipe.runtime.cpu_devices)} | "
                   f"model {recipe.model.name}: {count_parameters(recipe.model):,} parameters | "
                   f"mesh {dict(mesh.shape)} | strategy {strategy.name} | "
-                  f"attention {recipe.attention.impl} | remat {recipe.remat.policy} | "
+                  f"attention {attention_kernels(recipe, mesh.devices.flatten())} | remat {recipe.remat.policy} | "
                   f"run dir {run_dir}", soft_wrap=True, markup=False)
     print_lines(console, compile_report)
     if recipe.train.run_warmup_steps < recipe.train.warmup_steps:
