@@ -31,9 +31,10 @@ def check_window(window: int | None) -> None:
 
 def some_keys_visible(q_lo, q_hi, kv_lo, kv_hi, causal: bool, window: int | None = None):
     """By position alone (segments aside): whether some query in [q_lo, q_hi] may see some
-    key in [kv_lo, kv_hi]. False means the block pair can be skipped. Broadcasts, and
-    works on scalars read from SMEM inside a kernel."""
-    visible = kv_lo <= kv_hi  # always true: gives the result the operands' type and shape
+    key in [kv_lo, kv_hi], judged by the nearest pair. False means the block pair can be
+    skipped. Broadcasts, and works on scalars read from SMEM inside a kernel (True, a
+    Python bool, when the attention is neither causal nor windowed)."""
+    visible = True
     if causal:
         visible = visible & (q_hi >= kv_lo)
     if window is not None:
@@ -43,13 +44,9 @@ def some_keys_visible(q_lo, q_hi, kv_lo, kv_hi, causal: bool, window: int | None
 
 def every_key_visible(q_lo, q_hi, kv_lo, kv_hi, causal: bool, window: int | None = None):
     """By position alone: whether every query in [q_lo, q_hi] sees every key in
-    [kv_lo, kv_hi]. True means the pair needs no positional mask."""
-    visible = kv_lo <= kv_hi
-    if causal:
-        visible = visible & (q_lo >= kv_hi)
-    if window is not None:
-        visible = visible & (q_hi - kv_lo < window)
-    return visible
+    [kv_lo, kv_hi]. True means the pair needs no positional mask. The farthest pair
+    decides: the same rule with each side's bounds swapped."""
+    return some_keys_visible(q_hi, q_lo, kv_hi, kv_lo, causal, window)
 
 
 def pair_allowed(q_pos, kv_pos, q_seg, kv_seg, causal: bool, window: int | None = None):

@@ -109,16 +109,26 @@ def test_splash_has_no_window():
 
 @pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, 5), (False, None)])
 def test_block_visibility_is_the_element_rule_over_the_block(causal, window):
-    """The one block rule (kernels/masks.py) that the Pallas schedule, the splash block map
-    and the ring's step skipping use, against the element rule applied to every pair of
-    the two blocks: on runs of consecutive positions (as blocks of one document hold)
-    `some` is exactly "any pair allowed" and `every` exactly "all pairs allowed"."""
+    """The one block rule (kernels/masks.py) that the Pallas schedule, the splash block map,
+    the ring's step skipping and the GPU kernel use, against the rule written out here over
+    every pair of the two blocks (key not after the query if causal, fewer than `window`
+    positions behind it): on runs of consecutive positions (as blocks of one document hold)
+    `some` is exactly "any pair allowed" and `every` exactly "all pairs allowed"; the
+    element rule (pair_allowed) is the rule itself."""
     rng = np.random.default_rng(0)
     for _ in range(300):
         q_lo, kv_lo = rng.integers(0, 24, 2)
         q = np.arange(q_lo, q_lo + rng.integers(1, 6))
         kv = np.arange(kv_lo, kv_lo + rng.integers(1, 6))
-        allowed = pair_allowed(q[:, None], kv[None], 0, 0, causal, window)
+        behind = q[:, None] - kv[None]
+        allowed = np.ones(behind.shape, bool)
+        if causal:
+            allowed &= behind >= 0
+        if window is not None:
+            allowed &= behind < window
+        one_document = np.zeros(behind.shape, np.int32)
+        assert np.array_equal(pair_allowed(q[:, None], kv[None], one_document, one_document,
+                                           causal, window), allowed)
         bounds = (q.min(), q.max(), kv.min(), kv.max())
         assert bool(some_keys_visible(*bounds, causal, window)) == allowed.any(), (q, kv)
         assert bool(every_key_visible(*bounds, causal, window)) == allowed.all(), (q, kv)
