@@ -139,9 +139,7 @@ def _mask_layouts(s: int) -> dict[str, tuple]:
     against an earlier chunk and against its own; one rank of a 4-way load-balanced
     all_gather (its queries against the whole stored sequence)."""
     index, one = np.arange(s)[None], np.zeros((1, s), np.int64)
-    starts = np.array([0, s // 5, s // 2, 4 * s // 5])
-    segments = np.searchsorted(starts, np.arange(s), side="right")[None] - 1
-    restarted = index - starts[segments]
+    restarted, segments = ids(s, "packed")
     order = load_balanced_order(s, 4)[None]
     return {"causal": (index, index, one, one, True),
             "packed, 4 documents": (restarted, restarted, segments, segments, True),

@@ -140,13 +140,14 @@ def fake_cpu_device_flags(count: int) -> str:
     they match the single device to 1e-8; on jax 0.10 turning it off is what breaks the
     ring (wrong results or a rendezvous abort, 3 runs in 4), so there it stays on."""
     flags = f"--xla_force_host_platform_device_count={count}"
-    if _jaxlib_at_least(0, 12):
+    if jaxlib_at_least(0, 12):
         flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
     return flags
 
 
-def _jaxlib_at_least(major: int, minor: int) -> bool:
-    """Read from the installed metadata: XLA_FLAGS must be set before jax is imported."""
+def jaxlib_at_least(major: int, minor: int) -> bool:
+    """Whether the installed jaxlib is this release or later, read from its metadata
+    (jax-free: XLA_FLAGS must be set before jax is imported)."""
     release = importlib.metadata.version("jaxlib").split(".")
     return (int(release[0]), int(release[1])) >= (major, minor)
 

@@ -13,9 +13,10 @@ difference is the distance within the document, so the window is per document.
 
 The same rule decides which blocks a kernel or a ring step visits: for a block of queries
 and a block of keys, each known by its lowest and highest position, whether some pair may
-be allowed and whether every pair is (`some_keys_visible`, `every_key_visible`). The
-element rule is that block rule for one-token blocks. The Pallas schedule, the splash
-block map and the ring's step skipping all call these two.
+be allowed and whether every pair is (`some_keys_visible`, `every_key_visible`), and
+whether their documents may meet at all (`some_segments_shared`). The element rule is
+that block rule for one-token blocks. The Pallas schedule, the splash block map, the GPU
+kernel and the ring's step skipping all call these.
 """
 
 import jax
@@ -47,6 +48,13 @@ def every_key_visible(q_lo, q_hi, kv_lo, kv_hi, causal: bool, window: int | None
     [kv_lo, kv_hi]. True means the pair needs no positional mask. The farthest pair
     decides: the same rule with each side's bounds swapped."""
     return some_keys_visible(q_hi, q_lo, kv_hi, kv_lo, causal, window)
+
+
+def some_segments_shared(q_seg_lo, q_seg_hi, kv_seg_lo, kv_seg_hi):
+    """Whether a block of queries with segment ids in [q_seg_lo, q_seg_hi] and a block of
+    keys with ids in [kv_seg_lo, kv_seg_hi] may hold a pair of the same document: their
+    ranges overlap. Broadcasts, and works on SMEM scalars."""
+    return (q_seg_lo <= kv_seg_hi) & (kv_seg_lo <= q_seg_hi)
 
 
 def pair_allowed(q_pos, kv_pos, q_seg, kv_seg, causal: bool, window: int | None = None):

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from .masks import every_key_visible, some_keys_visible
+from .masks import every_key_visible, some_keys_visible, some_segments_shared
 
 _N_BOUNDS = 6  # pos min, pos max, seg min, seg max, pos max in seg max, pos min in seg min
 _ROW_FIELDS = 3  # first rank, count, "an empty row repeats the previous row's block"
@@ -92,7 +92,7 @@ def pair_visibility(q_bounds, kv_bounds, batch, i, j, nq, nkv, causal, window=No
     q_lo, q_hi, q_seg_lo, q_seg_hi, q_hi_in_last, _ = _read_bounds(q_bounds, batch, i, nq)
     kv_lo, kv_hi, kv_seg_lo, kv_seg_hi, _, kv_lo_in_first = _read_bounds(
         kv_bounds, batch, j, nkv)
-    some = jnp.logical_and(q_seg_lo <= kv_seg_hi, kv_seg_lo <= q_seg_hi)
+    some = some_segments_shared(q_seg_lo, q_seg_hi, kv_seg_lo, kv_seg_hi)
     some = jnp.logical_and(some, some_keys_visible(q_lo, q_hi, kv_lo, kv_hi, causal, window))
     if causal:
         # Sharing only q's last segment (= kv's first), compare within that segment.

@@ -52,7 +52,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
 from .layout import HEADS_MAJOR, TOKENS_MAJOR, relayout, row_dot, seq_len
-from .masks import every_key_visible, some_keys_visible
+from .masks import every_key_visible, some_keys_visible, some_segments_shared
 from .residuals import named_results
 
 _LANES = splash.NUM_LANES  # splash tiles the sequence in multiples of 128, even interpreted
@@ -133,7 +133,8 @@ def _block_map(q_pos, kv_pos, q_seg, kv_seg, blocks, causal):
     blocks, and for a partial pair the index of its diagonal pattern (`_patterns`)."""
     (q_seg_lo, q_seg_hi), (kv_seg_lo, kv_seg_hi) = (_bounds(q_seg, blocks.q),
                                                     _bounds(kv_seg, blocks.kv))
-    empty = (q_seg_hi[:, None] < kv_seg_lo[None]) | (q_seg_lo[:, None] > kv_seg_hi[None])
+    empty = ~some_segments_shared(q_seg_lo[:, None], q_seg_hi[:, None], kv_seg_lo[None],
+                                  kv_seg_hi[None])
     (q_lo, q_hi), (kv_lo, kv_hi) = _bounds(q_pos, blocks.q), _bounds(kv_pos, blocks.kv)
     if not causal:
         return jnp.where(empty, _EMPTY, _FULL), jnp.zeros(empty.shape, jnp.int32)

@@ -27,13 +27,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from . import xla
 from .layout import TOKENS_MAJOR, convert, row_dot
-from .masks import pair_allowed, some_keys_visible
+from .masks import pair_allowed, some_keys_visible, some_segments_shared
 from .residuals import named_results
 
-# Finite, as in kernels/xla.py: `score - running max` stays finite while every key seen so
-# far is masked; masked probabilities are zeroed explicitly.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The XLA kernel's finite "minus infinity": `score - running max` stays finite while every
+# key seen so far is masked; masked probabilities are zeroed explicitly.
+_MASK_VALUE = xla._MASK_VALUE
 # Tiles that keep a q block's f32 accumulator and a score block in registers at head dim
 # 128 (FlashAttention-2's Triton defaults); smaller where the length needs it.
 FORWARD_TILES = (128, 64)
@@ -52,7 +53,7 @@ def tile(n: int, cap: int) -> int:
 def _visible(q_pos, q_seg, kv_pos, kv_seg, causal, window):
     """Whether some pair of the two blocks may be allowed: the block rule of
     kernels/masks.py by position, and the two blocks' segment ranges overlapping."""
-    shared = (q_seg.min() <= kv_seg.max()) & (kv_seg.min() <= q_seg.max())
+    shared = some_segments_shared(q_seg.min(), q_seg.max(), kv_seg.min(), kv_seg.max())
     return shared & some_keys_visible(q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max(),
                                       causal, window)
 

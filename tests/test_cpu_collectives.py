@@ -25,10 +25,9 @@ import json
 import subprocess
 import sys
 
-import jax
 import pytest
 
-from lctrain.cli.common import fake_cpu_device_flags
+from lctrain.cli.common import fake_cpu_device_flags, jaxlib_at_least
 from subprocess_env import subprocess_env
 
 REPEATS = 4
@@ -68,7 +67,7 @@ def test_one_layer_all_gather_steps_are_bit_identical():
     assert isinstance(losses, list) and len(set(losses)) == 1, losses
 
 
-JAX_0_10 = tuple(int(part) for part in jax.__version__.split(".")[:2]) < (0, 12)
+JAX_0_10 = not jaxlib_at_least(0, 12)
 
 
 @pytest.mark.xfail(JAX_0_10, reason="XLA:CPU of jax 0.10 still meets the permutes of the two "

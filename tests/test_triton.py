@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kernel_harness import KernelCase, kernel_call_names
+from lctrain.cli.common import jaxlib_at_least
 from lctrain.kernels import triton
 from lctrain.parallel import STRATEGIES, attention_kernels
 from lctrain.recipes import load_recipe
@@ -21,7 +22,6 @@ from lctrain.trainer.state.build import kernel_note
 from test_halo import B, SEQ, grads_of, inputs, strategy_for
 
 TRITON_KERNELS = {"lctrain_triton_fwd", "lctrain_triton_dq", "lctrain_triton_dkv"}
-JAX_0_12 = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 12)
 
 
 def test_impl_triton_calls_our_forward_dq_and_dkv_kernels():
@@ -40,7 +40,7 @@ def lowered_for_cuda(fn, *args) -> str:
     only: jax's public way, an abstract mesh, is replaced by the strategy's CPU mesh
     inside shard_map)."""
     trace = jax.jit(fn).trace(*args)
-    if not JAX_0_12:
+    if not jaxlib_at_least(0, 12):
         return trace.lower(lowering_platforms=("cuda",)).as_text()
     from jax._src.pallas.triton import gpu_info
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
