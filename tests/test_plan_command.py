@@ -1,0 +1,102 @@
+"""`lctrain plan`: its JSON, its table, the recipe's own strategy against the
+recommendation, the mesh filled from a topology, and bad input as one line with exit 2.
+The planner's figures themselves: tests/test_planner.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from lctrain.cli.main import app
+from lctrain.parallel import planner
+from lctrain.parallel.chips import gigabytes
+from test_planner import TINY
+
+
+def plan_cli(*args):
+    return CliRunner().invoke(app, ["plan", *args])
+
+
+def test_plan_json_schema():
+    result = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY], "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["chip"] == "v5p" and out["mesh"]["context"] == 4
+    names = [s["strategy"] for s in out["strategies"]]
+    assert names == ["all_gather", "ulysses", "usp", "ring"]
+    for strategy in out["strategies"]:
+        for key in ("hbm_bytes_per_device", "host_bytes_per_device", "comm_bytes_per_step"):
+            assert isinstance(strategy[key], int) and strategy[key] >= 0
+        assert isinstance(strategy["fits"], bool)
+        assert set(strategy["comm_bytes_by_kind"]) == set(planner.KINDS)
+        assert strategy["comm_bytes_per_step"] == pytest.approx(
+            sum(strategy["comm_bytes_by_kind"].values()), abs=len(planner.KINDS))
+        assert 0 < strategy["mfu_upper_bound"] <= 1
+    assert out["recommendation"]["strategy"] in names
+    assert out["recommendation"]["reason"]
+
+
+@pytest.mark.parametrize("pinned", ["ring", "ulysses"])
+def test_plan_shows_the_recipes_own_strategy_first_and_what_switching_changes(pinned):
+    result = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY],
+                      f"--set=parallel.strategy={pinned}", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    plans = {s["strategy"]: s for s in out["strategies"]}
+    assert out["strategies"][0]["strategy"] == pinned and out["recipe_strategy"] == pinned
+    assert len(plans) == 4  # the others are still weighed
+    best = out["recommendation"]["strategy"]
+    line = out["against_recipe"]
+    if best == pinned:
+        assert line == f"the recipe's {pinned} is the recommendation: keep it"
+    else:
+        memory = plans[best]["hbm_bytes_per_device"] - plans[pinned]["hbm_bytes_per_device"]
+        speed = plans[pinned]["step_time_s"] / plans[best]["step_time_s"] - 1
+        assert line == (f"the recipe runs {pinned}; parallel.strategy={best} would take "
+                        f"{gigabytes(abs(memory))} per device "
+                        f"{'more' if memory > 0 else 'less'}, an estimated step "
+                        f"{abs(speed):.1%} {'faster' if speed >= 0 else 'slower'}")
+    table = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY],
+                     f"--set=parallel.strategy={pinned}")
+    rows = [row for row in table.output.splitlines() if row.startswith("│")]
+    assert rows[0].split("│")[1].strip().startswith(f"{pinned}") and "(recipe)" in rows[0]
+    assert line in " ".join(table.output.split())
+
+
+def test_plan_table_and_max_seq():
+    result = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY], "--max-seq")
+    assert result.exit_code == 0, result.output
+    assert "recommended:" in result.output and "longest sequence" in result.output
+    result = plan_cli("--topology", "v5p:2x2x1", *[f"--set={s}" for s in TINY], "--max-seq",
+                      "--json")
+    longest = json.loads(result.output)["max_seq_len"]
+    assert set(longest) == {"all_gather", "ulysses", "usp(u=2)", "ring"}
+    assert all(v["estimated"] > 4096 for v in longest.values())
+
+
+def test_plan_fills_the_mesh_from_the_topology():
+    result = plan_cli("--topology", "tpu7x:4x4x4", "--set", "mesh.data=1", "--set",
+                      "mesh.context=-1", "--set", "parallel.strategy=auto", "--set",
+                      "data.seq_len=4194304", "--set", "data.batch_size=1", "--set",
+                      "model.preset=llama3.1-8b", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["mesh"]["context"] == 128                 # two devices per TPU7x chip
+    assert out["hbm_bytes_per_device"] == 96e9
+    assert [s["strategy"] for s in out["strategies"]] == ["all_gather", "usp", "ring"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--topology", "v9x:2x2"], "unknown chip"),
+    (["--topology", "v5p"], "chip:AxBxC"),
+    (["--topology", "v5p:2x2x1", "--set", "mesh.context=3", "--set", "mesh.data=1",
+      "--set", "parallel.strategy=ring"], "mesh"),
+    (["--topology", "v5p:2x2x1", "--set", "model.nope=1"], "unknown recipe key"),
+])
+def test_plan_input_errors_exit_2_with_one_line(args, message):
+    result = plan_cli(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1
