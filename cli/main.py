@@ -14,7 +14,6 @@ from typing import Optional
 import typer
 
 from lctrain.recipes import RecipeError, load_recipe, named_strategy
-from lctrain.trainer.data.checks import check_data
 
 from . import models, tokenize  # noqa: F401  registers their commands
 from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
@@ -57,7 +56,7 @@ def run(
     if init_optimizer and not init_from:
         fail("--init-optimizer brings the optimizer state of --init-from's run; give "
              "--init-from RUN_DIR[:STEP] too, or drop it")
-    loaded = attempt(lambda: check_data(load_recipe(recipe, overrides)))
+    loaded = attempt(lambda: load_recipe(recipe, overrides))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
     from lctrain.trainer.train.init_from import InitFrom
     from lctrain.trainer.train.loop import train

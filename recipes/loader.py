@@ -1,4 +1,6 @@
-"""Reads a YAML recipe into the typed `Recipe`, applies `--set` overrides and validates it once.
+"""Reads a YAML recipe into the typed `Recipe`, applies `--set` overrides and runs phase 1
+of its checks: what the recipe says on its own, without jax, devices or data files (phase 2,
+against the files and devices, is trainer/train/preflight.py).
 
 Every error is a `RecipeError` whose message names the key, the value and what is allowed,
 so the CLI can print it as one line and exit 2 before anything is compiled.
@@ -32,8 +34,8 @@ def builtin_recipes() -> list[str]:
 
 def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Recipe:
     """Loads a recipe file (or a built-in recipe by name; None = the default) and validates
-    what it says on its own (no file is opened but model.init's config.json; the data files
-    are checked by trainer.data.checks.check_data, the devices by check_against_devices)."""
+    what it says on its own: phase 1 of its checks (no file is opened but model.init's
+    config.json; phase 2, trainer/train/preflight.py, checks the data files and devices)."""
     return _load(_read_yaml(path), overrides)
 
 
@@ -187,7 +189,7 @@ def _derive_model_keys(model: ModelConfig) -> None:
 
 
 def validate(recipe: Recipe) -> None:
-    """The checks of the recipe's own values: no device, no data file."""
+    """Phase 1: the checks of the recipe's own values (no device, no data file)."""
     m, d, t = recipe.model, recipe.data, recipe.train
     for name in ("layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab"):
         require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be positive")
@@ -334,17 +336,3 @@ def _validate_remat(recipe: Recipe) -> None:
                  f"only used with remat.policy=custom (policy is '{r.policy}')")
     require(r.mlp_chunk_tokens >= 0, "remat.mlp_chunk_tokens", r.mlp_chunk_tokens,
              "use a positive number of tokens, or 0 to run the MLP unchunked")
-
-
-def check_host_memory(recipe: Recipe, memory_kinds: set[str]) -> None:
-    """Host offload (remat.tensors ... offload, optimizer.offload) needs devices with a
-    'pinned_host' memory (TPU, GPU and CPU have one); `memory_kinds` are the device's."""
-    if "pinned_host" in memory_kinds:
-        return
-    kinds = ", ".join(sorted(memory_kinds))
-    require(not recipe.optimizer.offload, "optimizer.offload", True,
-             f"these devices have no pinned_host memory (only {kinds}); set it to false")
-    offloaded = [name for name, where in recipe.remat.tensors.items() if where == "offload"]
-    if offloaded:
-        require(False, f"remat.tensors.{offloaded[0]}", "offload",
-                 f"these devices have no pinned_host memory (only {kinds}); use remat or device")

@@ -1,5 +1,7 @@
-"""Recipe checks of the mesh: at load what the recipe alone decides, and once jax knows the
-devices (`check_against_devices`) what their count and slices decide."""
+"""Checks of the mesh in both phases: at load (phase 1) what the recipe alone decides, and
+against the devices (`check_against_devices`, from phase 2's trainer/state/device_checks.py
+or from `lctrain plan`, which counts a topology's chips) what their count and slices decide.
+No jax here: the devices come as a count."""
 
 from __future__ import annotations
 

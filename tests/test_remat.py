@@ -28,7 +28,7 @@ from rich.console import Console
 from lctrain.kernels.jaxpr_walk import subprograms
 from lctrain.parallel.planner.shapes import count_parameters
 from lctrain.recipes import load_recipe
-from lctrain.recipes.loader import check_host_memory
+from lctrain.trainer.state.device_checks import check_host_memory
 from lctrain.recipes.schema import RecipeError
 from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import build_trainable

@@ -18,7 +18,7 @@ from lctrain.kernels import triton
 from lctrain.parallel import STRATEGIES, attention_kernels
 from lctrain.recipes import load_recipe
 from lctrain.recipes.schema import RecipeError
-from lctrain.trainer.state.build import kernel_note
+from lctrain.trainer.state.device_checks import kernel_note
 from test_halo import B, SEQ, grads_of, inputs, strategy_for
 
 TRITON_KERNELS = {"lctrain_triton_fwd", "lctrain_triton_dq", "lctrain_triton_dkv"}

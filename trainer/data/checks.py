@@ -1,8 +1,9 @@
 """The recipe's data checked before anything compiles: each file it names exists and suits
 the model (its tokenizer, sidecar, vocabulary and, for an imported model, the model's own
-tokenizer), and a mixture opens. The second of a recipe's two checks: recipes.load_recipe
-checks what the recipe says on its own; this opens the files (`lctrain export`, which
-needs no data, skips it). Errors are RecipeErrors naming the key. No jax here.
+tokenizer), and a mixture opens. Part of phase 2 of a recipe's checks (trainer/train/
+preflight.py; `lctrain eval` calls it itself, `lctrain export` needs no data): phase 1,
+recipes.load_recipe, checked what the recipe says on its own. Errors are RecipeErrors
+naming the key. No jax here.
 """
 
 from __future__ import annotations

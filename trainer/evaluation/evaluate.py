@@ -20,7 +20,7 @@ from rich.console import Console
 from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
 from lctrain.trainer.data.sources import make_source
-from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, grid
+from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, check_retrieval, grid
 from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.model.loss import token_scores
 from lctrain.trainer.outputs.progress import Bar, tracked
@@ -128,6 +128,7 @@ def make_retrieval_scores(recipe: Recipe, graphdef, strategy):
 def evaluate(recipe: Recipe, run_dir: Path | None, step: int | None = None,
              console: Console | None = None) -> dict:
     """`lctrain eval`: the run dir's checkpoint (or model.init's weights) evaluated."""
+    check_retrieval(recipe)
     mesh = mesh_for(recipe, console=console, evaluating=True)
     trainable = build_trainable(recipe, mesh)
     params, origin = load_weights(recipe, trainable, run_dir, step, console)

@@ -82,6 +82,14 @@ class Pieces:
         return rng.integers(1, self.vocab, count)
 
 
+def check_retrieval(recipe: Recipe) -> None:
+    """RecipeError unless evaluation's sequences hold a retrieval sample (eval.task needle or
+    passkey): part of phase 2 of the checks, as the sample's length comes from the
+    tokenizer's files."""
+    if recipe.eval.task != "loss":
+        grid(recipe.for_evaluation())
+
+
 def grid(recipe: Recipe) -> tuple[list[int], list[float]]:
     """Haystack lengths, log-spaced from seq_len / 16 (at least twice a sample's needle,
     question and answer) up to the evaluated sequence, and needle depths."""

@@ -6,7 +6,6 @@ libtpu's topology devices: parallel/aot.py)."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, NamedTuple
 
@@ -16,91 +15,28 @@ import numpy as np
 from jax.sharding import Mesh
 from rich.console import Console
 
-from lctrain.parallel import LayerStrategies, build_mesh, make_strategy, strategy_classes
+from lctrain.parallel import LayerStrategies, build_mesh, make_strategy
 from lctrain.parallel.aot import memory_stats
 from lctrain.parallel.auto import (COMPILER_FAILED, CompiledNeed, compiler_failure,
-                                   first_that_fits, none_fits, refused_need, resolve_auto,
+                                   first_that_fits, none_fits, refused_need,
                                    shortfall, strategy_name)
-from lctrain.parallel.chips import chip_for_device_kind
-from lctrain.parallel.mesh import slice_count
-from lctrain.recipes import Recipe, RecipeError, check_against_devices
+from lctrain.recipes import Recipe
 from lctrain.trainer.data.batches import Batch, DataSource
 from lctrain.trainer.outputs.failures import (DoesNotFit, RunFailure, is_out_of_memory,
                                               out_of_device_memory)
+from lctrain.trainer.state.device_checks import DevicePlan, allocator_limit, check_devices, \
+    device_memory_bytes
 from lctrain.trainer.state.step import (BATCH_FIELDS, Trainable, batch_shardings, build_trainable,
                                         make_train_step)
 
 
 def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
              evaluating: bool = False) -> Mesh:
-    """Validates the recipe against the devices (RecipeError before any compile), resolves
-    parallel.strategy=auto (saying why), and builds the mesh. Evaluation (`evaluating`, or
-    eval.every in training) is checked at eval.seq_len."""
+    """The recipe's mesh on `devices` (default: all), once the device checks pass
+    (device_checks.check_devices: RecipeError before anything compiles; auto resolved)."""
     devices = jax.devices() if devices is None else devices
-    sizes, _ = resolve_strategy(recipe, devices, console)
-    classes, platform = dict.fromkeys(strategy_classes(recipe).values()), devices[0].platform
-    note = kernel_note(recipe.attention.impl, platform)
-    if note and console:
-        console.print(f"note: {note}", markup=False, soft_wrap=True)
-    if not evaluating:
-        for strategy in classes:
-            strategy.check(recipe, sizes, platform)
-    if evaluating or recipe.eval.every:
-        try:
-            for strategy in classes:
-                strategy.check(recipe.for_evaluation(), sizes, platform)
-        except RecipeError as err:  # the checks name data's keys; evaluation reads eval's
-            if recipe.eval.seq_len is None:
-                raise
-            raise RecipeError(str(err).replace("data.seq_len", "eval.seq_len")) from None
+    sizes, _ = check_devices(recipe, devices, console, evaluating)
     return build_mesh(sizes, recipe.parallel.ulysses, devices, recipe.mesh.dcn_sizes())
-
-
-def kernel_note(impl: str, platform: str) -> str | None:
-    """What the user should know about the attention kernel `impl` on `platform`, if any:
-    never a silent fallback to a slower kernel."""
-    if platform == "cpu" and impl in ("pallas", "splash", "triton"):
-        return (f"attention.impl={impl} runs in Pallas interpret mode on CPU: exact but slow "
-                f"(attention.impl=auto takes xla here)")
-    if platform == "gpu" and impl != "triton":
-        return (f"attention.impl={impl} runs the blockwise XLA kernel on GPU; "
-                f"attention.impl=triton is the fused GPU kernel (not yet timed on a GPU, so "
-                f"auto does not pick it)")
-    return None
-
-
-def resolve_strategy(recipe: Recipe, devices, console: Console | None = None
-                     ) -> tuple[dict[str, int], list[tuple[str, int]]]:
-    """The mesh's axis sizes, and the strategies to try, best first: auto's ranking (the
-    recipe is set to its first, and the choice printed), else the recipe's own."""
-    sizes = check_against_devices(recipe, len(devices), slice_count(devices))
-    choice = resolve_auto(recipe, sizes, devices, device_memory_bytes(devices))
-    if choice and console:
-        console.print(choice.sentence, soft_wrap=True, markup=False)
-    return sizes, (choice.ranked if choice
-                   else [(recipe.parallel.strategy, recipe.parallel.ulysses)])
-
-
-def device_memory_bytes(devices) -> int:
-    """Memory of one device: the chip's HBM (from the chip table, or the allocator's limit),
-    else a share of this host's RAM (CPU devices)."""
-    chip = chip_for_device_kind(devices[0].device_kind)
-    if chip:
-        return int(chip.hbm_bytes)
-    return allocator_limit(devices) or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                                        // max(len(_local(devices)), 1))
-
-
-def allocator_limit(devices) -> int | None:
-    """What one device's allocator may hand out (memory_stats' bytes_limit), where the
-    platform reports it: on a GPU, the share jax preallocates."""
-    local = _local(devices)
-    stats = local[0].memory_stats() if local else None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
-
-
-def _local(devices) -> list:
-    return [d for d in devices if d.process_index == jax.process_index()]
 
 
 class CompiledRun(NamedTuple):
@@ -113,14 +49,15 @@ class CompiledRun(NamedTuple):
 
 
 def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
-                memory_limit: int | None = None) -> CompiledRun:
+                memory_limit: int | None = None, plan: DevicePlan | None = None) -> CompiledRun:
     """Builds and compiles the train step of the recipe's strategy (auto: of the planner's
     first choice, then of the next while XLA's figure does not fit in `memory_limit` per
     device) and prints the compiled figure. The limit defaults to the device's memory on
     a TPU or GPU and to none on CPU (fake devices share the host's RAM). The recipe ends
-    up naming the strategy that runs."""
+    up naming the strategy that runs. `plan` is what the device checks found, when the
+    caller ran them (trainer/train/preflight.py)."""
     devices = jax.devices() if devices is None else devices
-    _, candidates = resolve_strategy(recipe, devices, console)
+    _, candidates = plan or check_devices(recipe, devices, console)
     if memory_limit is None and devices[0].platform in ("tpu", "gpu"):
         memory_limit = allocator_limit(devices) or device_memory_bytes(devices)
 
@@ -159,7 +96,7 @@ def build_run(recipe: Recipe, devices, console: Console | None = None) -> Compil
     """The recipe's mesh, strategy and state, and its train step compiled for them (lowered
     with abstract state and batch): what a run trains with, and what `lctrain plan
     --compile` measures (parallel/aot.py)."""
-    mesh = mesh_for(recipe, devices, console)
+    mesh = mesh_for(recipe, devices)
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)
     step = make_train_step(recipe, trainable, strategy, mesh)

@@ -13,7 +13,6 @@ from jax.sharding import Mesh
 from lctrain.parallel import LayerStrategies
 from lctrain.parallel.sharding import batch_sharding, parameter_shardings, replicated
 from lctrain.parallel.token_chunks import chunks_for
-from lctrain.recipes.loader import check_host_memory
 from lctrain.recipes.schema import Recipe
 from lctrain.trainer.model.loss import LossAux, next_token_loss
 from lctrain.trainer.model.remat import remat_policy
@@ -52,7 +51,6 @@ def build_trainable(recipe: Recipe, mesh: Mesh) -> Trainable:
     graphdef, abstract_params = nnx.split(abstract_model)
     param_shardings = parameter_shardings(mesh, abstract_params)
     shapes = jax.eval_shape(fresh_state)
-    check_host_memory(recipe, _memory_kinds(mesh))
 
     def moment_sharding(_, sharding):
         # optimizer.offload: the moments (shaped like the parameters) live in pinned host
@@ -75,12 +73,6 @@ def build_trainable(recipe: Recipe, mesh: Mesh) -> Trainable:
         out_shardings=shardings, donate_argnums=0)
     return Trainable(graphdef, optimizer, init, start_from, abstract_state, shardings)
 
-
-
-def _memory_kinds(mesh: Mesh) -> set[str]:
-    """Memory kinds of this process's devices (TPU, GPU, CPU: device and pinned_host)."""
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    return {memory.kind for memory in (local or list(mesh.devices.flat))[0].addressable_memories()}
 
 
 def _moved(tree, shardings, kind: str):

@@ -26,10 +26,10 @@ from lctrain.trainer.outputs.progress import Bar, timed
 from lctrain.trainer.state.build import compile_run, device_batch, print_lines
 from lctrain.trainer.state.checkpoint import Checkpointer
 from lctrain.trainer.state.step import TrainState
-from lctrain.trainer.train.init_from import InitFrom, checked_init_from, stage_start
+from lctrain.trainer.train.init_from import InitFrom, stage_start
 from lctrain.trainer.train.metrics import MetricsWriter, peak_flops, training_flops_per_token
 from lctrain.trainer.train.pipeline import LaggedFiniteCheck, Prefetcher
-from lctrain.trainer.train.resume import check_rerun
+from lctrain.trainer.train.preflight import check_run
 
 
 def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
@@ -38,13 +38,14 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     """Trains to recipe.train.steps on `devices` (default: all), resuming from run_dir's
     latest checkpoint; returns the metrics records it logged. `memory_limit` (bytes per
     device) overrides the device's memory in compile_run's fit check. `init_from` starts a
-    new stage from another run's checkpoint (trainer/train/init_from.py)."""
+    new stage from another run's checkpoint (trainer/train/init_from.py). Nothing is built
+    before the run's checks pass (preflight.check_run)."""
     is_main = jax.process_index() == 0
     console = Console(quiet=True) if not is_main else console or Console()
-    rerun_note = check_rerun(recipe, run_dir)
-    init_from = checked_init_from(init_from, recipe, run_dir, console)
-    mesh, strategy, trainable, train_step, compile_report = compile_run(recipe, devices, console,
-                                                                        memory_limit)
+    checked = check_run(recipe, run_dir, devices, init_from, console)
+    init_from = checked.init_from
+    mesh, strategy, trainable, train_step, compile_report = compile_run(
+        recipe, devices, console, memory_limit, checked.devices)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed,
                          holdout=recipe.eval.data_holdout)
     evaluator = None
@@ -62,8 +63,8 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
                       f"{recipe.train.steps}; raise train.steps (--steps N) to train on",
                       markup=False, soft_wrap=True)
         return []
-    if rerun_note:
-        console.print(rerun_note, markup=False, soft_wrap=True)
+    if checked.rerun_note:
+        console.print(checked.rerun_note, markup=False, soft_wrap=True)
     if isinstance(source, MixtureSource):
         seq_len = recipe.data.seq_len
         console.print(f"data: {len(source.components)} sources; "
