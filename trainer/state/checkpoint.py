@@ -100,8 +100,9 @@ def _quiet_abandoned_reads() -> None:
     """When a restore fails, orbax closes its event loop while tensorstore's other reads are
     still in flight; their threads then report "Event loop is closed" as an unraisable error
     (a bare traceback on stderr, before, among or after the one line that says what failed),
-    and asyncio logs "Task exception was never retrieved" at exit. Both are dropped from
-    before the first read on, since they race with the failure itself. Installed once."""
+    and asyncio logs "Task (or Future) exception was never retrieved" at exit, with the
+    failed read's message over many lines. Both are dropped from before the first read on,
+    since they race with the failure itself. Installed once."""
     if getattr(sys.unraisablehook, "drops_closed_loop_reads", False):
         return
     previous = sys.unraisablehook
@@ -114,7 +115,7 @@ def _quiet_abandoned_reads() -> None:
     hook.drops_closed_loop_reads = True
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(
-        lambda record: "Task exception was never retrieved" not in record.getMessage())
+        lambda record: "exception was never retrieved" not in record.getMessage())
 
 
 def saved_steps(directory: Path) -> list[int]:
