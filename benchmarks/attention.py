@@ -22,6 +22,12 @@ four packed ones (--layouts); cuDNN takes no segment ids through that call, so i
 packed row. TFLOP/s of a packed row counts each document's causal half only. --json
 writes the rows.
 
+Accuracy (--check-seq-len, on an accelerator; 0 skips it): before timing, each kernel's
+out, lse and gradients (bf16 inputs, a random output cotangent) against the xla kernel in
+f32 at 'highest' matmul precision, on the same mask layouts: max error relative to the
+reference's largest value (lse absolute). The interpret-mode tests prove the kernels on a
+CPU; this proves what Mosaic or Triton compiled for the chip.
+
 Memory: the same forward+backward compiled for ONE chip of the topology at --memory-seq-
 lens tokens (32K, 128K, 512K: what one chip holds under context parallelism), peak HBM
 and temporaries as memory_analysis() reports them. Needs the tpu extra.
@@ -80,9 +86,12 @@ def document_lengths(seq_len: int, layout: str) -> list[int]:
 
 
 def ids(seq_len: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
-    """(positions restarting per document, segment ids), [1, seq_len] each."""
+    """(positions, segment ids), [1, seq_len] each. The positions are sequence indices,
+    as every strategy hands the kernels (ContextStrategy.attend: segment ids keep the
+    documents apart); splash needs them so (positions restarting in every document broke
+    its layout rule, and its dk/dv kernel halted a v5e chip)."""
     lengths = document_lengths(seq_len, layout)
-    return (np.concatenate([np.arange(n) for n in lengths])[None].astype(np.int32),
+    return (np.arange(seq_len)[None].astype(np.int32),
             np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32))
 
 
@@ -118,6 +127,52 @@ def time_impl(impl: str, seq_len: int, block: int, repeats: int, dtype,
     return statistics.median(runs)
 
 
+ERROR_NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def outputs_and_grads(impl: str, q, k, v, positions, segments, cotangent):
+    """(out, lse, dq, dk, dv) of causal attention under a random output cotangent."""
+    def attend(q, k, v):
+        return kernels.attention(q, k, v, q_positions=positions, kv_positions=positions,
+                                 q_segment_ids=segments, kv_segment_ids=segments,
+                                 causal=True, impl=impl, return_lse=True)
+
+    (out, lse), vjp = jax.vjp(attend, q, k, v)
+    return (out, lse, *vjp((cotangent.astype(out.dtype), jnp.zeros_like(lse))))
+
+
+def kernel_errors(impl: str, seq_len: int, layout: str) -> dict[str, float]:
+    """`impl` with bf16 inputs against the xla kernel in f32 at 'highest' precision: max
+    abs error of out, dq, dk, dv over the reference's largest value; of lse, absolute."""
+    rng = np.random.default_rng(1)
+    q_shape, kv_shape = (s.shape for s in shapes(seq_len, jnp.float32)[:2])
+    q, k, v, cotangent = (rng.standard_normal(shape, np.float32)
+                          for shape in (q_shape, kv_shape, kv_shape, q_shape))
+    positions, segments = map(jnp.asarray, ids(seq_len, layout))
+    run = jax.jit(outputs_and_grads, static_argnums=0)
+    with jax.default_matmul_precision("highest"):
+        want = run("xla", q, k, v, positions, segments, cotangent)
+    got = run(impl, *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), positions, segments,
+              cotangent)
+    errors = {}
+    for name, g, w in zip(ERROR_NAMES, got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        scale = 1.0 if name == "lse" else float(np.max(np.abs(w)))
+        errors[name] = float(np.max(np.abs(g - w))) / scale
+    return errors
+
+
+def print_errors(impls: list[str], args) -> None:
+    print(f"\nagainst the xla kernel in f32 ('highest'), {args.check_seq_len} tokens, bf16 "
+          f"inputs: max error / max |reference| (lse: absolute)")
+    print(f"{'layout':<8}{'impl':<8}" + "".join(f"{name:>9}" for name in ERROR_NAMES))
+    for layout in args.layouts:
+        for impl in (name for name in impls if name != "cudnn"):
+            errors = kernel_errors(impl, args.check_seq_len, layout)
+            print(f"{layout:<8}{kernels.resolve_impl(impl):<8}"
+                  + "".join(f"{errors[name]:>9.1e}" for name in ERROR_NAMES), flush=True)
+
+
 def compiled_memory(impl: str, seq_len: int, block: int, device, dtype) -> tuple[int, int]:
     """(peak HBM bytes, temporaries) of forward+backward compiled for one TPU chip."""
     from lctrain.parallel.aot import compiled_stats
@@ -135,14 +190,14 @@ def compiled_memory(impl: str, seq_len: int, block: int, device, dtype) -> tuple
 
 def _mask_layouts(s: int) -> dict[str, tuple]:
     """(q positions, kv positions, q segments, kv segments, causal) [1, s] of the calls
-    the strategies make: one document; four packed (positions restarting); a ring step
+    the strategies make: one document; four packed; a ring step
     against an earlier chunk and against its own; one rank of a 4-way load-balanced
     all_gather (its queries against the whole stored sequence)."""
     index, one = np.arange(s)[None], np.zeros((1, s), np.int64)
-    restarted, segments = ids(s, "packed")
+    _, segments = ids(s, "packed")
     order = load_balanced_order(s, 4)[None]
     return {"causal": (index, index, one, one, True),
-            "packed, 4 documents": (restarted, restarted, segments, segments, True),
+            "packed, 4 documents": (index, index, segments, segments, True),
             "ring step, earlier chunk": (index + s, index, one, one, True),
             "ring step, own chunk": (index + s, index + s, one, one, True),
             "all_gather rank 0 of 4": (order[:, :s // 4], order, one[:, :s // 4], one, True)}
@@ -218,11 +273,13 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", nargs="+", default=None, choices=kernels.IMPLS,
                         help="default: xla on CPU, every kernel elsewhere")
     parser.add_argument("--time-seq-lens", type=int, nargs="*", default=None,
-                        help="default: 8K, 32K, 128K on a GPU; 2K, 4K, 8K elsewhere")
+                        help="default: 8K, 32K, 128K on an accelerator; 2K, 4K, 8K on CPU")
     parser.add_argument("--memory", metavar="TOPOLOGY", default=None,
                         help="also compile for one chip of this TPU topology, e.g. v5p:2x2x1")
     parser.add_argument("--memory-seq-lens", type=int, nargs="+",
                         default=[32768, 131072, 524288])
+    parser.add_argument("--check-seq-len", type=int, default=4096,
+                        help="tokens of the accuracy check on an accelerator (0: none)")
     parser.add_argument("--block", type=int, default=512, help="block_q = block_kv")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layouts", nargs="+", default=["causal", "packed"],
@@ -238,8 +295,10 @@ def main(argv=None) -> int:
     impls = args.impls or list(kernels.IMPLS)
     if backend == "gpu":  # pallas and splash are TPU kernels: ours is triton there
         impls = args.impls or ["triton", "cudnn", "xla"]
+    if backend == "tpu":  # triton is the GPU kernel
+        impls = args.impls or ["pallas", "splash", "xla"]
     if args.time_seq_lens is None:
-        args.time_seq_lens = [8192, 32768, 131072] if backend == "gpu" else [2048, 4096, 8192]
+        args.time_seq_lens = [2048, 4096, 8192] if backend == "cpu" else [8192, 32768, 131072]
     if backend == "cpu" and not args.impls:
         print("no accelerator here (jax's backend is cpu, where the Pallas kernels run "
               "interpreted): no timing, the kernels' structure instead")
@@ -248,6 +307,8 @@ def main(argv=None) -> int:
     else:
         print(f"causal attention, 1 x seq x {HEADS} heads ({KV_HEADS} KV) x {HEAD_DIM}, "
               f"bf16, blocks {args.block}; forward+backward")
+    if backend != "cpu" and args.check_seq_len:
+        print_errors(impls, args)
     if args.time_seq_lens:
         rows = print_timings(impls, args, dtype)
         if args.json:

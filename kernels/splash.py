@@ -19,7 +19,9 @@ context-parallel strategy hands the kernel such positions (`ContextStrategy.atte
 passes sequence indices, not the per-document RoPE positions; documents are kept apart
 by segment ids, which splash applies to every computed block), as long as each chunk of
 the stored sequence is a multiple of the blocks (128 tokens at least, checked when the
-recipe loads). A layout that breaks the rule makes the output NaN, not silently wrong.
+recipe loads). A layout that breaks the rule makes the output NaN, not silently wrong;
+on a chip it can halt the TPU instead (a v5e did, in the dk/dv kernel, given positions
+that restart in every packed document), which is why only sequence indices reach it.
 
 The map lives in the kernel's scalar memory (1 MiB SMEM on v5p), so it is kept to
 `_MAP_ENTRIES` pairs by fetching longer kv blocks at long context (up to `_MAX_KV_BLOCK`,

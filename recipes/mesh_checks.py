@@ -58,9 +58,13 @@ def resolve_mesh(recipe: Recipe, device_count: int) -> dict[str, int]:
         fixed *= size if size > 0 else 1
     fill = [axis for axis, size in sizes.items() if size == -1]
     if fill:
+        fixed_axes = " x ".join(f"mesh.{axis}" for axis, size in sizes.items() if size > 1)
         require(device_count % fixed == 0, f"mesh.{fill[0]}", -1,
-                 f"the other axes multiply to {fixed}, which does not divide the "
-                 f"{device_count} devices")
+                 f"the other axes ({fixed_axes}) multiply to {fixed}, which does not divide "
+                 f"the {device_count} device{'s' if device_count > 1 else ''} jax sees; "
+                 f"lower them to a product that divides {device_count}"
+                 + (": --set mesh.context=1 --set parallel.strategy=none" if device_count == 1
+                    else ""))
         sizes[fill[0]] = device_count // fixed
     product = 1
     for size in sizes.values():

@@ -40,7 +40,9 @@ def compiled(fn, *args, **static):
            tuple((np.shape(a), a.dtype) for a in args))
     if key not in _EXECUTABLES:
         lowered = jax.jit(fn, static_argnames=tuple(static)).lower(*args, **static)
-        _EXECUTABLES[key] = lowered.compile(compiler_options=_FAST_COMPILE)
+        # The fast options are XLA:CPU's; on a TPU (the kernels compiled by Mosaic) none.
+        options = _FAST_COMPILE if jax.default_backend() == "cpu" else None
+        _EXECUTABLES[key] = lowered.compile(compiler_options=options)
     return _EXECUTABLES[key](*args)
 
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import common
 from lctrain.cli.main import app
-from lctrain.recipes import load_recipe
+from lctrain.recipes import RecipeError, check_against_devices, load_recipe
 
 # ----------------------------------------------------------- runtime.cpu_devices=auto ----
 
@@ -48,6 +48,16 @@ def test_auto_fakes_eight_cpu_devices_only_where_jax_finds_no_accelerator(
     monkeypatch.setattr(common, "accelerator_module", lambda: accelerator)
     assert common.fake_cpu_device_count("auto") == count
     assert common.fake_cpu_device_count(4) == 4 and common.fake_cpu_device_count(0) == 0
+
+
+def test_default_recipe_on_one_device_names_a_fix_that_works():
+    """The default recipe splits sequences over 4 devices; on one (a single TPU chip or
+    GPU) the error names the settings that run it, and they do."""
+    with pytest.raises(RecipeError) as refused:
+        check_against_devices(load_recipe(), 1)
+    fix = str(refused.value).split(": --set ")[-1].split(" --set ")
+    assert fix == ["mesh.context=1", "parallel.strategy=none"]
+    assert check_against_devices(load_recipe(None, fix), 1)["context"] == 1
 
 
 def test_first_line_of_a_run_names_its_devices_and_keeps_brackets(tmp_path):

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 from lctrain.trainer.hf.safetensors_io import SafetensorsFolder
+from lctrain.trainer.train.distributed import several_tpu_hosts
 
 
 def free_port() -> int:
@@ -80,3 +81,14 @@ def test_two_processes_match_one_and_resume_across_processes(tmp_path):
     assert set(exported["one"].entries) == set(exported["two"].entries)
     for tensor in exported["one"].entries:
         np.testing.assert_array_equal(exported["two"].read(tensor), exported["one"].read(tensor))
+
+
+def test_only_several_tpu_hosts_start_jax_distributed():
+    """A single-host TPU VM's runtime sets TPU_WORKER_HOSTNAMES=localhost (seen on a lent
+    v5e); jax.distributed.initialize() there asks the cloud's metadata server and failed
+    where it was unreachable. Only a list of hosts, or several slices, needs it."""
+    assert not several_tpu_hosts({})
+    assert not several_tpu_hosts({"TPU_WORKER_HOSTNAMES": "localhost"})
+    assert several_tpu_hosts({"TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3"})
+    assert several_tpu_hosts({"TPU_WORKER_HOSTNAMES": "localhost",
+                              "MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2:8080"})

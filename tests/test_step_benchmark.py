@@ -1,5 +1,5 @@
 """benchmarks/step.py and the MFU figure it shares with `lctrain run`
-(trainer/train/loop.Throughput)."""
+(trainer/train/loop.Throughput); benchmarks/attention.py's accuracy check."""
 
 import importlib.util
 import time
@@ -17,8 +17,8 @@ from lctrain.trainer.train.metrics import training_flops_per_token
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def step_benchmark():
-    spec = importlib.util.spec_from_file_location("step", ROOT / "benchmarks" / "step.py")
+def benchmark(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -43,15 +43,25 @@ def test_mfu_is_model_flops_over_the_chips_peak(monkeypatch):
 
 
 def test_without_an_accelerator_it_says_so_and_exits_0(capsys):
-    assert step_benchmark().main([]) == 0
+    assert benchmark("step").main([]) == 0
     assert "no accelerator here" in capsys.readouterr().out
 
 
 def test_a_cpu_row_has_consistent_figures_and_no_mfu():
     """A CPU has no peak FLOP/s in parallel/chips.py, so no MFU; tokens/s is the step's
     tokens over its time."""
-    step = step_benchmark()
+    step = benchmark("step")
     step.MODELS["tiny"] = []
     row = step.time_steps("tiny", 256, 1, ["model.layers=1"])
     assert row["seq_len"] == 256 and "mfu" not in row
     assert row["tokens_per_s"] == pytest.approx(256 / row["step_time_s"])
+
+
+def test_attention_accuracy_check_measures_bf16_rounding_and_nothing_else():
+    """The check an accelerator runs before timing (here interpreted on CPU): the Pallas
+    kernel with bf16 inputs against the xla kernel in f32 differs by bf16's rounding (about
+    3e-3 of the largest value here), neither zero (which would mean it compared the
+    reference with itself) nor more than BF16_REL of the kernel tests."""
+    errors = benchmark("attention").kernel_errors("pallas", 512, "packed")
+    assert set(errors) == {"out", "lse", "dq", "dk", "dv"}
+    assert all(1e-4 < error < 2e-2 for error in errors.values()), errors

@@ -10,14 +10,21 @@ import os
 
 import jax
 
-# Set by the TPU runtime on multi-host slices; their presence means "initialise from env".
-TPU_POD_ENVIRONMENT = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+
+def several_tpu_hosts(environ=os.environ) -> bool:
+    """Whether the TPU runtime's environment names more than one host: a multi-host slice
+    (TPU_WORKER_HOSTNAMES lists every host, comma-separated) or several slices
+    (MEGASCALE_COORDINATOR_ADDRESS). A single-host TPU VM lists one host and needs no
+    coordinator; there jax.distributed.initialize() would only ask the cloud's metadata
+    server for what it already knows (and fail where that server is unreachable)."""
+    return "," in environ.get("TPU_WORKER_HOSTNAMES", "") or \
+        "MEGASCALE_COORDINATOR_ADDRESS" in environ
 
 
 def initialize(coordinator: str | None, num_processes: int | None,
                process_id: int | None) -> None:
     if coordinator is None:
-        if any(name in os.environ for name in TPU_POD_ENVIRONMENT):
+        if several_tpu_hosts():
             jax.distributed.initialize()
         return
     if os.environ.get("JAX_PLATFORMS") == "cpu":
