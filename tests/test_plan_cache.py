@@ -11,7 +11,7 @@ from rich.console import Console
 
 from lctrain.parallel import chips, planner
 from lctrain.parallel.planner import compiled
-from lctrain.recipes import check_against_devices, load_recipe
+from lctrain.recipes import RecipeError, check_against_devices, load_recipe
 from lctrain.trainer.outputs.progress import timed
 
 BASE = ["parallel.strategy=auto", "mesh.context=4", "mesh.data=1", "data.seq_len=4096",
@@ -189,6 +189,27 @@ def test_a_compile_the_compiler_aborts_is_that_strategys_row(monkeypatch, tmp_pa
     choice, reason = planner.recommend(result.plans)
     assert choice is not aborted and aborted.compile_failed and not aborted.deciding_fits
     assert f"the compiler failed on {aborted.name}" in reason and "would not fit" not in reason
+
+
+def test_a_recipe_the_device_checks_refuse_is_that_strategys_row():
+    """plan --compile builds each strategy's step as a run does, through the device checks
+    (trainer/state/device_checks.py): a refusal there is the row's error, naming the key,
+    and takes the strategy out of the recommendation (it printed a traceback before)."""
+    recipe = load_recipe("tiny", BASE)
+    result = planner.plan(recipe, V5P, check_against_devices(recipe, 4), "tpu")
+
+    def refuse(recipe, devices):
+        raise RecipeError("recipe key 'data.seq_len' = 4096: too long for something")
+
+    figures = compiled.compile_figures(recipe, V5P_2X2X1, refuse)
+    assert figures["error"] == ("refused before compiling: recipe key 'data.seq_len' = 4096: "
+                                "too long for something")
+    refused, *others = result.plans
+    for p in others:
+        p.compiled = {"hbm_bytes": 2**30, "host_bytes": 0, "collective_bytes": {}}
+    refused.compiled = figures
+    choice, _ = planner.recommend(result.plans)
+    assert refused.compile_failed and choice is not refused
 
 
 @pytest.mark.slow

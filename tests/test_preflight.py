@@ -59,3 +59,18 @@ def test_offload_on_devices_without_host_memory_is_refused_before_building(monke
     recipe = load_recipe("tiny", ["optimizer.offload=true"])
     with pytest.raises(RecipeError, match="optimizer.offload.*no pinned_host memory"):
         device_checks.check_devices(recipe, jax.devices()[:1])
+
+
+def test_an_offloaded_piece_of_4_gib_is_refused_on_tpu():
+    """The 1M recipe at 2,097,152 tokens on 4 chips offloads 524,288 x 4096 bf16 = 4 GiB per
+    layer and chip, which libtpu aborts compiling (measured: a piece of 4 GiB or 8 GiB
+    aborts, one of 4 GiB less 128 rows compiles). At 1M tokens the piece is 2 GiB."""
+    sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+    long = load_recipe("llama3_8b_1m", ["data.seq_len=2097152"])
+    with pytest.raises(RecipeError, match=r"data.seq_len.*4.00 GiB per chip \(524,288 tokens"):
+        device_checks.check_offload_piece(long, sizes, "tpu")
+    device_checks.check_offload_piece(long, sizes, "gpu")  # libtpu's limit alone
+    device_checks.check_offload_piece(load_recipe("llama3_8b_1m"), sizes, "tpu")
+    with pytest.raises(RecipeError, match=r"4.00 GiB per chip \(262,144 tokens x 4096 x float32"):
+        device_checks.check_offload_piece(load_recipe("llama3_8b_1m", ["model.dtype=float32"]),
+                                          sizes, "tpu")

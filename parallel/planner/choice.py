@@ -26,6 +26,11 @@ def plan(recipe: Recipe, chip: Chip, axis_sizes: dict[str, int],
                 estimate_note(recipe, axis_sizes))
 
 
+def _figure_source(plan: StrategyPlan) -> str:
+    """Where the plan's deciding HBM figure comes from (StrategyPlan.deciding_hbm_bytes)."""
+    return "compiled" if (plan.compiled or {}).get("hbm_bytes") is not None else "estimated"
+
+
 def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
     """Among the plans that fit (StrategyPlan.deciding_fits: compiled figures where there
     are any), the fastest estimated step (StrategyPlan.step_s); within TIE of it, the
@@ -33,19 +38,19 @@ def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
     least HBM."""
     if not plans:
         return None, "no strategy applies"
-    source = "compiled" if any(p.compiled for p in plans) else "estimated"
     fitting = [p for p in plans if p.deciding_fits]
     if not fitting:
         best = min(plans, key=lambda p: (p.compile_failed, p.deciding_hbm_bytes))
         return best, (f"none fits in {gigabytes(best.hbm_capacity)}; {best.name} needs the "
-                      f"least ({gigabytes(best.deciding_hbm_bytes)} per device, {source})")
+                      f"least ({gigabytes(best.deciding_hbm_bytes)} per device, "
+                      f"{_figure_source(best)})")
     fastest = min(p.step_s for p in fitting)
     near = [p for p in fitting if p.step_s <= TIE * fastest]
     best = min(near, key=lambda p: STRATEGIES[p.strategy].simplicity)
     bound = "communication" if best.comm_s > best.compute_s else "compute"
     speed = "fastest" if best.step_s == fastest else "near-fastest"
     reason = (f"fits ({gigabytes(best.deciding_hbm_bytes)} of {gigabytes(best.hbm_capacity)} "
-              f"per device, {source}) with the {speed} estimated step ({bound}-bound, "
+              f"per device, {_figure_source(best)}) with the {speed} estimated step ({bound}-bound, "
               f"MFU <= {best.mfu_bound:.0%})")
     if len(near) > 1:
         reason += f"; simplest of {', '.join(p.name for p in near)} (within {TIE - 1:.1%})"

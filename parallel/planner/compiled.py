@@ -28,7 +28,9 @@ from typing import Any, Callable, ContextManager
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.planner.choice import recommend
 from lctrain.parallel.planner.estimate import recipe_for_plan
-from lctrain.parallel.planner.results import ABORTED, COMPILER_FAILED, Plan, is_xla_error
+from lctrain.parallel.planner.results import ABORTED, COMPILER_FAILED, REFUSED, Plan, \
+    is_xla_error
+from lctrain.recipes import RecipeError
 from lctrain.recipes.schema import Recipe
 
 # What compiles a recipe's train step for devices: trainer.state.build.compile_train_step, which
@@ -60,17 +62,20 @@ def compile_figures(recipe: Recipe, devices, compile_step: CompileStep) -> dict:
     topology from parallel.aot.topology_devices): {"hbm_bytes", "host_bytes",
     "collective_bytes"}, or {"hbm_bytes": None, "error": ...} when XLA refuses the program:
     because its temporaries exceed the chip's HBM (it does not fit), or with an error of
-    its own (e.g. UNIMPLEMENTED for a collective it cannot emit: "compiler failed: ...")."""
+    its own (e.g. UNIMPLEMENTED for a collective it cannot emit: "compiler failed: ..."), or
+    when the device checks refuse the recipe first ("refused before compiling: ...")."""
     from lctrain.parallel import aot
+    no_figures = {"hbm_bytes": None, "host_bytes": None, "collective_bytes": None}
     try:
         stats = aot.compiled_stats(compile_step(recipe, devices))
+    except RecipeError as err:                    # the device checks, before compiling
+        return {**no_figures, "error": f"{REFUSED}: {err}"}
     except Exception as err:                      # XLA's errors come as JaxRuntimeError
         if not is_xla_error(err):
             raise
         first_line = str(err).splitlines()[0][:300]
-        return {"hbm_bytes": None, "host_bytes": None, "collective_bytes": None,
-                "error": (first_line if "RESOURCE_EXHAUSTED" in first_line
-                          else f"{COMPILER_FAILED}: {first_line}")}
+        return {**no_figures, "error": (first_line if "RESOURCE_EXHAUSTED" in first_line
+                                        else f"{COMPILER_FAILED}: {first_line}")}
     return {"hbm_bytes": stats.hbm_bytes,
             "host_bytes": stats.host_temp_bytes + stats.host_argument_bytes,
             "collective_bytes": dict(stats.collective_bytes),

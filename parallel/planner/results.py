@@ -10,10 +10,12 @@ from lctrain.parallel.chips import Chip
 # Share of device HBM a plan may use; the rest is left for XLA's own reserve, fragmentation
 # and the estimate's error (the accuracy grid's worst case, see tests/test_planner.py).
 HBM_HEADROOM = 0.90
-# How a compile whose process libtpu killed is recorded (compiled.aborted_figures), and one
-# that XLA refused for a reason other than memory (compiled.compile_figures).
+# How a compile whose process libtpu killed is recorded (compiled.aborted_figures), one
+# that XLA refused for a reason other than memory, and one that lctrain's device checks
+# refused before compiling (compiled.compile_figures).
 ABORTED = "compiler aborted"
 COMPILER_FAILED = "compiler failed"
+REFUSED = "refused before compiling"
 
 
 def is_xla_error(err: BaseException) -> bool:
@@ -89,9 +91,9 @@ class StrategyPlan:
     @property
     def compile_failed(self) -> bool:
         """The compiler died on this strategy, or refused it for a reason other than its
-        memory: no figures, and not a candidate."""
-        return ((self.compiled or {}).get("error") or "").startswith((ABORTED,
-                                                                       COMPILER_FAILED))
+        memory, or the device checks refused it: no figures, and not a candidate."""
+        return ((self.compiled or {}).get("error") or "").startswith((ABORTED, COMPILER_FAILED,
+                                                                       REFUSED))
 
     @property
     def deciding_hbm_bytes(self) -> float:

@@ -35,7 +35,8 @@ def check_devices(recipe: Recipe, devices=None, console: Console | None = None,
                   evaluating: bool = False) -> DevicePlan:
     """RecipeError unless the recipe runs on `devices` (default: all): their count and
     slices, auto's choice (printed, and written into the recipe), each strategy's own
-    limits on this platform, host memory for offload. Evaluation (`evaluating`, or
+    limits on this platform, host memory for offload and libtpu's limit on one offloaded
+    piece. Evaluation (`evaluating`, or
     eval.every in training) is checked at eval.seq_len."""
     devices = jax.devices() if devices is None else devices
     sizes = check_against_devices(recipe, len(devices), slice_count(devices))
@@ -48,6 +49,7 @@ def check_devices(recipe: Recipe, devices=None, console: Console | None = None,
         console.print(f"note: {note}", markup=False, soft_wrap=True)
     _check_strategies(recipe, sizes, platform, evaluating)
     check_host_memory(recipe, memory_kinds(devices))
+    check_offload_piece(recipe, sizes, platform)
     return DevicePlan(sizes, choice.ranked if choice
                       else [(recipe.parallel.strategy, recipe.parallel.ulysses)])
 
@@ -94,6 +96,30 @@ def check_host_memory(recipe: Recipe, kinds: set[str]) -> None:
         require(False, f"remat.tensors.{offloaded[0]}", "offload",
                 f"these devices have no pinned_host memory (only {listed}); use remat or "
                 f"device")
+
+
+# libtpu (0.0.42.1 and 0.0.50.1) aborts compiling a layer scan that offloads a piece of 4 GiB
+# to host memory: "Check failed: index_space_.start <= index_space_.limit (0 vs. -1)" in its
+# to-host DMA loop (EnqueueToHostIovaStridedDmaInGranulesRolledLoop), a 32-bit size wrapping
+# to 0. 8 GiB aborts too; 6 GiB compiles, but such a wrapped count is not to be trusted
+# with a run's gradients, and no chip has run one. So one piece stays under 4 GiB.
+OFFLOAD_PIECE_LIMIT = 2**32
+
+
+def check_offload_piece(recipe: Recipe, sizes: dict[str, int], platform: str) -> None:
+    """On TPU, the layer input that remat.tensors offloads is one piece per layer: this
+    chip's tokens x d_model in the activations' dtype, under OFFLOAD_PIECE_LIMIT."""
+    if platform != "tpu" or recipe.remat.tensors.get("decoder_layer_input") != "offload":
+        return
+    d, t = recipe.data, recipe.train
+    rows = d.batch_size // (sizes["data"] * sizes["fsdp"] * t.grad_accum_steps)
+    tokens = rows * d.seq_len // sizes["context"]
+    piece = tokens * recipe.model.d_model * (4 if recipe.model.dtype == "float32" else 2)
+    require(piece < OFFLOAD_PIECE_LIMIT, "data.seq_len", d.seq_len,
+            f"offloads each layer's input as one piece of {piece / 2**30:.2f} GiB per chip "
+            f"({tokens:,} tokens x {recipe.model.d_model} x {recipe.model.dtype}), and "
+            f"libtpu aborts offloading 4 GiB or more in one piece; spread the sequence over "
+            f"more chips (mesh.context) or shorten it")
 
 
 def memory_kinds(devices) -> set[str]:
