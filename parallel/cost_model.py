@@ -51,6 +51,7 @@ class Dims:
     remat: str      # remat.policy
     context_kept: bool  # the policy keeps attention's results (named `context`)
     window: int | None = None  # sliding-window layers' window (None: global attention)
+    conv_kernel: int = 0    # linear layers' causal conv width (0: no conv)
     # The layer scan picks each layer's kind with a switch (ModelConfig.switches_layer_kinds):
     # inside it XLA hoists nothing out of the layer loop, e.g. a strategy's sends of the
     # positions and segment ids, which do not depend on the layer.

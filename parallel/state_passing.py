@@ -47,7 +47,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from lctrain.kernels.gdn import PRECISION, gated_delta_rule, reset_at_document_starts
-from lctrain.parallel.cost_model import F32, AttentionFootprint, Dims, NotOnThisMesh, Traffic
+from lctrain.parallel.cost_model import (F32, TOKEN_IDS, AttentionFootprint, Dims,
+                                         NotOnThisMesh, Traffic)
 from lctrain.parallel.sharding import LOGICAL_TO_MESH
 from lctrain.parallel.strategy import (HEADS_SPEC, TOKENS_SPEC, ContextStrategy,
                                       stored_chunk_tokens)
@@ -107,8 +108,9 @@ class StatePassing(ContextStrategy):
     @classmethod
     def traffic(cls, dm: Dims) -> Traffic:
         """dm.h: the layers' value heads per tensor shard; dm.d: d_k = d_v."""
-        return state_passing_traffic(dm.b, dm.h, dm.d, dm.d, dm.c, PLANNED_RUNS, dm.layers,
-                                     dm.attention_passes)
+        return {**state_passing_traffic(dm.b, dm.h, dm.d, dm.d, dm.c, PLANNED_RUNS, dm.layers,
+                                        dm.attention_passes),
+                **conv_halo_traffic(dm)}
 
     @classmethod
     def extra_flops(cls, dm: Dims) -> float:
@@ -238,6 +240,22 @@ def state_passing_traffic(b, heads, d_k, d_v, c, runs, layers, passes) -> Traffi
     return {"strategy_state_maps": ("all-gather",
                                     passes * layers * (c - 1) * runs * per_run * (d_k + d_v)),
             "strategy_state_grads": ("all-gather", layers * (c - 1) * runs * per_run * d_v)}
+
+
+def conv_halo_traffic(dm: Dims) -> Traffic:
+    """The causal conv's sends before the delta rule (parallel/linear_mix.py): per layer and
+    forward pass the kernel-1 tokens of q, k and v before each of a device's runs, and in
+    the backward their gradients back. Their sequence indices and segment ids go too, the
+    same in every layer: XLA sends them once per step, or per layer and forward pass where
+    the layers' kinds are switched, as it does halo's (parallel/halo.py)."""
+    width = dm.conv_kernel - 1
+    if width <= 0 or dm.c == 1:
+        return {}
+    tokens = dm.b * PLANNED_RUNS * width
+    features = (2 * dm.kv + dm.h) * dm.d * dm.p
+    id_sends = dm.layers * dm.attention_passes if dm.kinds_switched else 1
+    return {"strategy_conv_halo": ("collective-permute", tokens * (
+        dm.layers * (dm.attention_passes + 1) * features + id_sends * TOKEN_IDS))}
 
 
 def state_passing_extra_flops(b, heads, d_k, d_v, tokens, c, runs, chunk, layers,

@@ -183,7 +183,7 @@ def test_the_planner_counts_the_parameters_a_linear_pattern_model_holds(override
     from flax import nnx
 
     from lctrain.trainer.model.transformer import Transformer
-    recipe = load_recipe("recipes/qwen3_next_like.yaml", overrides)
+    recipe = load_recipe("qwen3_next_like", overrides)
     model = nnx.eval_shape(lambda: Transformer(recipe.model, nnx.Rngs(0)))
     held = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert planner.count_parameters(recipe.model) == held
@@ -210,3 +210,21 @@ def test_the_plan_names_the_toolchain_its_calibration_comes_from(monkeypatch, li
     recipe = load_recipe("tiny", [*ALL_GLOBAL, "data.seq_len=8192", "parallel.strategy=ring"])
     note = accuracy.estimate_note(recipe, CONTEXT4)
     assert "its calibration comes from libtpu 0.0.42.1" in note and words in note
+
+
+def test_planned_conv_sends_match_the_compiled_hlo():
+    """Linear layers alone on state_passing over 4 CPU devices: the causal conv's sends
+    (kernel-1 tokens of q, k, v before each run, per layer and forward pass, their
+    gradients back, the ids once) are the step's only collective-permutes (the state maps
+    are all-gathers), and the plan counts them byte for byte."""
+    from lctrain.trainer.state import build
+    recipe = load_recipe("tiny", [
+        "model.layers=3", "model.d_model=32", "model.linear_key_heads=2",
+        "model.linear_value_heads=4", "model.linear_key_head_dim=8",
+        "model.linear_value_head_dim=8", "model.linear_conv_kernel=4", "model.linear_chunk=4",
+        "model.layer_pattern=[{kind: linear}]", "parallel.strategy={linear: state_passing}",
+        "data.seq_len=64", "data.batch_size=1", "mesh.data=1", "mesh.context=4"])
+    compiled = build.compile_train_step(recipe, jax.devices()[:4])
+    counted = collective_bytes(compiled.as_text()).bytes_by_kind["collective-permute"]
+    planned = planner.plan(recipe, V5P, CONTEXT4, "cpu").plans[0].comm_detail
+    assert counted == planned["strategy_conv_halo"]

@@ -83,11 +83,12 @@ def kind_dims(recipe: Recipe, axis_sizes: dict[str, int], choice: KindChoice,
 
 def linear_dims(recipe: Recipe, dm: Dims) -> Dims:
     """A linear layer's heads in place of attention's: h value heads, kv key heads per
-    tensor shard, d their width (state_passing's cost model takes d_k = d_v)."""
+    tensor shard, d their width (state_passing's cost model takes d_k = d_v), and its
+    causal conv's width."""
     m = recipe.model
     return dataclasses.replace(dm, h=max(m.linear_value_heads // dm.t, 1),
                                kv=max(m.linear_key_heads // dm.t, 1),
-                               d=m.linear_value_head_dim)
+                               d=m.linear_value_head_dim, conv_kernel=m.linear_conv_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
