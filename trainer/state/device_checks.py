@@ -49,7 +49,8 @@ def check_devices(recipe: Recipe, devices=None, console: Console | None = None,
         console.print(f"note: {note}", markup=False, soft_wrap=True)
     _check_strategies(recipe, sizes, platform, evaluating)
     check_host_memory(recipe, memory_kinds(devices))
-    check_offload_piece(recipe, sizes, platform)
+    if not evaluating:  # a forward alone saves nothing for a backward, offloads nothing
+        check_offload_piece(recipe, sizes, platform)
     return DevicePlan(sizes, choice.ranked if choice
                       else [(recipe.parallel.strategy, recipe.parallel.ulysses)])
 
