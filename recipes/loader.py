@@ -336,3 +336,13 @@ def _validate_remat(recipe: Recipe) -> None:
                  f"only used with remat.policy=custom (policy is '{r.policy}')")
     require(r.mlp_chunk_tokens >= 0, "remat.mlp_chunk_tokens", r.mlp_chunk_tokens,
              "use a positive number of tokens, or 0 to run the MLP unchunked")
+    every = r.layers_per_checkpoint
+    require(every >= 1, "remat.layers_per_checkpoint", every, "use 1 or more layers")
+    if every > 1:
+        require(r.policy != "save_all", "remat.layers_per_checkpoint", every,
+                 "recomputes layers in backward, which remat.policy=save_all never does; "
+                 "use full, minimal or custom")
+        kinds = set(recipe.model.layer_kinds())
+        require(kinds == {"global"}, "remat.layers_per_checkpoint", every,
+                 f"serves models of global layers only (this one has "
+                 f"{', '.join(sorted(kinds))} layers); use 1")

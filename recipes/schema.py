@@ -192,6 +192,11 @@ class RematConfig:
            "its [tokens, d_ff] intermediates then exist one chunk at a time and are "
            "recomputed in backward (so mlpwi/mlpwo are never saved); 0 runs the MLP on the "
            "whole sequence at once.")
+    layers_per_checkpoint: int = option(
+        1, "Layers between saved layer inputs: the layer scan keeps (or offloads) the input of "
+           "one layer in this many and recomputes the others' from it in backward, which "
+           "costs one more forward of those layers. 1 saves every layer's input. Needs "
+           "remat (not save_all) and a model of global layers only.")
 
 
 @dataclass

@@ -231,7 +231,8 @@ class Transformer(nnx.Module):
                  remat_policy: Callable | None = None,
                  split_tokens: Callable[[jax.Array], jax.Array] = lambda x: x,
                  mlp_chunks: TokenChunks | None = None,
-                 gather_weight: GatherWeight = lambda w, axes: w) -> jax.Array:
+                 gather_weight: GatherWeight = lambda w, axes: w,
+                 layers_per_checkpoint: int = 1) -> jax.Array:
         """Final (normalized) hidden states [b, s, d_model] in the compute dtype.
 
         `attend` maps each layer kind to its attention (bound to the kind's window); one
@@ -239,7 +240,9 @@ class Transformer(nnx.Module):
         [b, s, ...] activation to the devices holding its tokens (the strategy's sharding
         constraint); without it XLA may, e.g., build the rotary tables for the whole
         sequence on every device. `mlp_chunks` runs each MLP one chunk of tokens at a time
-        (remat.mlp_chunk_tokens), with its weights from `gather_weight`."""
+        (remat.mlp_chunk_tokens), with its weights from `gather_weight`.
+        `layers_per_checkpoint` > 1 saves one layer input in that many
+        (remat.layers_per_checkpoint; global layers only)."""
         dtype = jnp.dtype(self.cfg.dtype)
         x = split_tokens(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype))
         if self.cfg.embedding_scale != 1.0:
@@ -264,7 +267,10 @@ class Transformer(nnx.Module):
         remat = (lambda fn: fn) if remat_policy is None else (
             lambda fn: jax.checkpoint(fn, policy=remat_policy, prevent_cse=False))
         layer_fns = {kind: one_layer(kind) for kind in attends}
-        if "linear" not in attends:
+        if layers_per_checkpoint > 1:
+            x = scan_layer_groups(x, stacks["layers"][1], layer_fns["global"], remat,
+                                  layers_per_checkpoint)
+        elif "linear" not in attends:
             x = scan_layers_by_kind(x, stacks["layers"][1], kinds, layer_fns, remat)
         else:  # two parameter stacks: the scan steps over whole repeats of the pattern
             period = kinds[:len(self.cfg.pattern_kinds())]  # all of them when fewer layers
@@ -357,6 +363,30 @@ def scan_layers_by_kind(x: jax.Array, stacked: nnx.State, kinds: list[str],
                                                          state))
     index = jnp.asarray([names.index(kind) for kind in kinds], jnp.int32)
     return jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, (stacked, index))[0]
+
+
+def scan_layer_groups(x: jax.Array, stacked: nnx.State, fn: Callable,
+                      remat: Callable[[Callable], Callable], size: int) -> jax.Array:
+    """The stacked layers, fn(x, state) -> x each, scanned `size` at a time, each group
+    rematerialized as a whole around its layers' own remat: the scan saves the input of
+    every group's first layer only (named decoder_layer_input, so a policy can offload
+    it), and the backward recomputes the group's forward to reach its other layers'
+    inputs. Layers after the last whole group follow one by one."""
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    groups = layers // size
+    layer = remat(fn)
+
+    def group(x, states):
+        for i in range(size):
+            x = layer(x, _layer(states, i))
+        return x
+
+    whole = remat(_named_input(group))
+    x = jax.lax.scan(lambda x, states: (whole(x, states), None), x,
+                     _repeats(stacked, groups, size))[0]
+    for i in range(groups * size, layers):
+        x = remat(_named_input(fn))(x, _layer(stacked, i))
+    return x
 
 
 def _repeats(stacked: nnx.State, repeats: int, per_repeat: int) -> nnx.State:

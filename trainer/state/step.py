@@ -101,7 +101,8 @@ def make_forward(recipe: Recipe, graphdef: nnx.GraphDef,
         hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"],
                        attend=strategy.attends, split_tokens=strategy.split_tokens,
                        remat_policy=policy, mlp_chunks=mlp_chunks,
-                       gather_weight=strategy.gather_weight)
+                       gather_weight=strategy.gather_weight,
+                       layers_per_checkpoint=recipe.remat.layers_per_checkpoint)
         return model, hidden
 
     return forward
