@@ -16,6 +16,8 @@ import re
 
 import numpy as np
 
+from lctrain.kernels.scopes import LAYER_SHARE
+
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
                     "collective-permute")
 
@@ -33,21 +35,10 @@ COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
 # comes from the X-start it waits for); async-start / async-done wrappers are skipped and
 # the collective inside the wrapped computation counts.
 
-# The model's scan over layers of several kinds picks each layer's kind with a switch;
-# the collectives of a kind's branch run in only `count` of the scan's `layers` steps.
-_LAYER_SHARE = re.compile(r"layers_of_kind_\w+?_(\d+)_of_(\d+)")
-
-
-def layer_share_scope(kind: str, count: int, layers: int) -> str:
-    """The jax.named_scope around a layer kind's branch, from which collective_ops reads
-    that its collectives run in count of layers scan steps."""
-    return f"layers_of_kind_{kind}_{count}_of_{layers}"
-
-
 def _runs_in_branch(runs: int, op_name: str) -> float:
     """Its share of the runs, unrounded: XLA may peel a scan step out of the loop (it runs
     once, of a kind the text does not tell), so only the sum over the steps is exact."""
-    share = _LAYER_SHARE.search(op_name)
+    share = LAYER_SHARE.search(op_name)
     return runs if share is None else runs * int(share.group(1)) / int(share.group(2))
 
 

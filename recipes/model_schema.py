@@ -186,7 +186,7 @@ class ModelConfig:
 
     def switches_layer_kinds(self) -> bool:
         """Whether the model's layer scan picks each layer's kind with a switch: several
-        attention kinds and no linear layers (trainer/model/transformer.scan_layers_by_kind)."""
+        attention kinds and no linear layers (trainer/model/layer_scan.scan_layers_by_kind)."""
         kinds = set(self.layer_kinds())
         return len(kinds) > 1 and "linear" not in kinds
 

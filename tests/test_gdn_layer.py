@@ -175,20 +175,24 @@ def test_plan_puts_linear_layers_on_state_passing():
     """The built-in recipe (36 linear layers of 32 value heads of 128, context 4, one row
     per device, remat full): the linear kind's traffic is state_passing's all-gathers,
     by hand: per layer and run of the 3 other devices' 2 runs, [A | B] f32 (128 x 256 per
-    head) in both forward passes and the start states' gradients (128 x 128) once."""
+    head) in both forward passes and the start states' gradients (128 x 128) once; and the
+    conv's sends: before each of the 2 runs 3 tokens of q, k (16 heads) and v (32 heads)
+    of 128 in bf16, per layer in both forward passes and their gradients back, and the 3
+    tokens' two int32 ids once."""
     recipe = load_recipe("qwen3_next_like")
     sizes = {"data": 4, "fsdp": 1, "context": 4, "tensor": 1}
     result = planner.plan(recipe, CHIPS["v5p"], sizes)
     assert result.plans and all(p.kinds["linear"].strategy == "state_passing"
                                 for p in result.plans)
     per_run_head = 128 * F32
-    expected = 36 * 3 * 2 * 32 * per_run_head * (2 * 256 + 128)
-    assert result.plans[0].kinds["linear"].comm_bytes == expected
+    state_maps = 36 * 3 * 2 * 32 * per_run_head * (2 * 256 + 128)
+    conv = 2 * 3 * (36 * 3 * (2 * 16 + 32) * 128 * 2 + 2 * 4)
+    assert result.plans[0].kinds["linear"].comm_bytes == state_maps + conv
     assert result.plans[0].kinds["linear"].layers == 36
     # No sequence length in it.
     longer = planner.plan(load_recipe("qwen3_next_like", ["data.seq_len=524288"]),
                           CHIPS["v5p"], sizes)
-    assert longer.plans[0].kinds["linear"].comm_bytes == expected
+    assert longer.plans[0].kinds["linear"].comm_bytes == state_maps + conv
     chosen, _, _ = choose_strategy(load_recipe("qwen3_next_like", ["parallel.strategy=auto"]),
                                    sizes, 95 * 2**30)
     assert chosen["linear"] == "state_passing" and chosen["global"] != "state_passing"

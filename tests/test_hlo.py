@@ -3,6 +3,7 @@ bytes by the convention in parallel/hlo.py, times the loops around it."""
 
 from __future__ import annotations
 
+from lctrain.kernels.scopes import layer_share_scope
 from lctrain.parallel import hlo
 
 HLO = """\
@@ -137,7 +138,7 @@ def test_a_layer_kinds_branch_counts_its_share_of_the_layer_scan():
     the runs around it (unrounded: a peeled scan step runs once)."""
     branch_all_reduce = "replica_groups={{0,1,2,3}}, to_apply=%add"
     assert HLO.count(branch_all_reduce) == 1
-    scope = hlo.layer_share_scope("global", 1, 4)
+    scope = layer_share_scope("global", 1, 4)
     text = HLO.replace(branch_all_reduce, branch_all_reduce + ', metadata={op_name="jit(step)'
                        f'/while/body/cond/branch_1_fun/{scope}/psum"}}')
     assert hlo.collective_bytes(text).bytes_by_kind["all-reduce"] == 260 + (16 * 3 / 2) / 4

@@ -16,7 +16,7 @@ the model knows nothing of the mesh.
 
 from __future__ import annotations
 
-import collections
+import functools
 import math
 from typing import Callable, Mapping, Protocol
 
@@ -26,10 +26,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lctrain.kernels.residuals import CONTEXT
-from lctrain.parallel.hlo import layer_share_scope
 from lctrain.parallel.token_chunks import GatherWeight, TokenChunks
 from lctrain.recipes.schema import ModelConfig
 from lctrain.trainer.model.gdn_layer import GatedDeltaNet
+from lctrain.trainer.model.layer_scan import (layer_input, scan_layer_groups, scan_layers,
+                                              scan_layers_by_kind, named_input)
 from lctrain.trainer.model.params import param as _param, weight as _weight
 # rope_frequencies and rotary_tables stay importable from here.
 from lctrain.trainer.model.rope import (apply_rope, kind_config, rope_frequencies,  # noqa: F401
@@ -232,7 +233,7 @@ class Transformer(nnx.Module):
                  split_tokens: Callable[[jax.Array], jax.Array] = lambda x: x,
                  mlp_chunks: TokenChunks | None = None,
                  gather_weight: GatherWeight = lambda w, axes: w,
-                 layers_per_checkpoint: int = 1) -> jax.Array:
+                 layers_per_checkpoint: int = 1, layer_input_pieces: int = 1) -> jax.Array:
         """Final (normalized) hidden states [b, s, d_model] in the compute dtype.
 
         `attend` maps each layer kind to its attention (bound to the kind's window); one
@@ -242,7 +243,8 @@ class Transformer(nnx.Module):
         sequence on every device. `mlp_chunks` runs each MLP one chunk of tokens at a time
         (remat.mlp_chunk_tokens), with its weights from `gather_weight`.
         `layers_per_checkpoint` > 1 saves one layer input in that many
-        (remat.layers_per_checkpoint; global layers only)."""
+        (remat.layers_per_checkpoint; global layers only); `layer_input_pieces` names the
+        saved layer input in that many slices of its features (`layer_input`)."""
         dtype = jnp.dtype(self.cfg.dtype)
         x = split_tokens(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype))
         if self.cfg.embedding_scale != 1.0:
@@ -267,15 +269,17 @@ class Transformer(nnx.Module):
         remat = (lambda fn: fn) if remat_policy is None else (
             lambda fn: jax.checkpoint(fn, policy=remat_policy, prevent_cse=False))
         layer_fns = {kind: one_layer(kind) for kind in attends}
+        name_input = functools.partial(layer_input, pieces=layer_input_pieces)
         if layers_per_checkpoint > 1:
             x = scan_layer_groups(x, stacks["layers"][1], layer_fns["global"], remat,
-                                  layers_per_checkpoint)
+                                  layers_per_checkpoint, name_input)
         elif "linear" not in attends:
-            x = scan_layers_by_kind(x, stacks["layers"][1], kinds, layer_fns, remat)
+            x = scan_layers_by_kind(x, stacks["layers"][1], kinds, layer_fns, remat,
+                                    name_input)
         else:  # two parameter stacks: the scan steps over whole repeats of the pattern
             period = kinds[:len(self.cfg.pattern_kinds())]  # all of them when fewer layers
             x = scan_layers(x, {name: state for name, (_, state) in stacks.items()},
-                            [(_stack(kind), remat(_named_input(layer_fns[kind])))
+                            [(_stack(kind), remat(named_input(layer_fns[kind], name_input)))
                              for kind in period])
         return self.final_norm(x)
 
@@ -295,110 +299,3 @@ def _attends_by_kind(attend: Attend | Mapping[str, Attend], kinds: set[str]) -> 
     if missing:
         raise ValueError(f"no attend for the {', '.join(sorted(missing))} layers")
     return {kind: attend[kind] for kind in sorted(kinds)}
-
-
-def scan_layers(x: jax.Array, stacks: dict[str, nnx.State],
-                pattern: list[tuple[str, Callable]]) -> jax.Array:
-    """Applies the stacked layers (each stack with a leading 'layers' axis) in order:
-    layer i is pattern[i % len(pattern)] = (stack, fn), fn(x, the stack's next layer's
-    state) -> x. Whole repeats of the pattern are scanned, one per step (the body applies
-    its layers in turn), so compile time grows with the pattern, not with depth; the
-    layers after the last whole repeat (a prefix of the pattern) follow unscanned."""
-    per_repeat = collections.Counter(name for name, _ in pattern)
-    layers = sum(jax.tree.leaves(stacks[name])[0].shape[0] for name in per_repeat)
-    repeats = layers // len(pattern)
-
-    def one_repeat(x, states):
-        taken = collections.Counter()
-        for name, apply in pattern:
-            state = states[name]
-            x = apply(x, state if per_repeat[name] == 1 else _layer(state, taken[name]))
-            taken[name] += 1
-        return x, None
-
-    if repeats:
-        x, _ = jax.lax.scan(one_repeat, x, {name: _repeats(stacks[name], repeats, count)
-                                            for name, count in per_repeat.items()})
-    taken = collections.Counter()
-    for name, apply in pattern[:layers - repeats * len(pattern)]:
-        x = apply(x, _layer(stacks[name], repeats * per_repeat[name] + taken[name]))
-        taken[name] += 1
-    return x
-
-
-def _layer_input(x: jax.Array) -> jax.Array:
-    return checkpoint_name(x, "decoder_layer_input")
-
-
-def _named_input(apply: Callable) -> Callable:
-    return lambda x, layer_state: apply(_layer_input(x), layer_state)
-
-
-def _scoped(fn: Callable, scope: str) -> Callable:
-    def scoped(*args):
-        with jax.named_scope(scope):
-            return fn(*args)
-    return scoped
-
-
-def scan_layers_by_kind(x: jax.Array, stacked: nnx.State, kinds: list[str],
-                        fns: Mapping[str, Callable],
-                        remat: Callable[[Callable], Callable]) -> jax.Array:
-    """Applies the stacked layers, layer i being fns[kinds[i]](x, its state) -> x, one
-    scan step per layer; with several kinds the step picks its layer's with lax.switch.
-
-    Each kind's layer is rematerialized inside its switch branch as well as outside: the
-    backward then recomputes a layer inside its own branch, and no residual of one kind
-    waits beside the other's (the switch alone, or around attention only, holds both:
-    docs/layer-patterns.md). The layer input is named outside the switch, where
-    a remat policy can offload it."""
-    names = list(fns)
-    if len(names) == 1:
-        layer = remat(_named_input(fns[names[0]]))
-        return jax.lax.scan(lambda x, state: (layer(x, state), None), x, stacked)[0]
-    branches = [_scoped(remat(fns[name]), layer_share_scope(name, kinds.count(name),
-                                                            len(kinds)))
-                for name in names]
-    layer = remat(lambda x, state, index: jax.lax.switch(index, branches, _layer_input(x),
-                                                         state))
-    index = jnp.asarray([names.index(kind) for kind in kinds], jnp.int32)
-    return jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, (stacked, index))[0]
-
-
-def scan_layer_groups(x: jax.Array, stacked: nnx.State, fn: Callable,
-                      remat: Callable[[Callable], Callable], size: int) -> jax.Array:
-    """The stacked layers, fn(x, state) -> x each, scanned `size` at a time, each group
-    rematerialized as a whole around its layers' own remat: the scan saves the input of
-    every group's first layer only (named decoder_layer_input, so a policy can offload
-    it), and the backward recomputes the group's forward to reach its other layers'
-    inputs. Layers after the last whole group follow one by one."""
-    layers = jax.tree.leaves(stacked)[0].shape[0]
-    groups = layers // size
-    layer = remat(fn)
-
-    def group(x, states):
-        for i in range(size):
-            x = layer(x, _layer(states, i))
-        return x
-
-    whole = remat(_named_input(group))
-    x = jax.lax.scan(lambda x, states: (whole(x, states), None), x,
-                     _repeats(stacked, groups, size))[0]
-    for i in range(groups * size, layers):
-        x = remat(_named_input(fn))(x, _layer(stacked, i))
-    return x
-
-
-def _repeats(stacked: nnx.State, repeats: int, per_repeat: int) -> nnx.State:
-    """The stack's first repeats * per_repeat layers, as [repeats, per_repeat, ...]
-    ([repeats, ...] for one layer a repeat)."""
-    layers = jax.tree.leaves(stacked)[0].shape[0]
-    scanned = stacked if repeats * per_repeat == layers else jax.tree.map(
-        lambda p: p[:repeats * per_repeat], stacked)
-    if per_repeat == 1:
-        return scanned
-    return jax.tree.map(lambda p: p.reshape(repeats, per_repeat, *p.shape[1:]), scanned)
-
-
-def _layer(states: nnx.State, i: int) -> nnx.State:
-    return jax.tree.map(lambda p: p[i], states)

@@ -17,6 +17,7 @@ from lctrain.recipes.schema import Recipe
 from lctrain.trainer.model.loss import LossAux, next_token_loss
 from lctrain.trainer.model.remat import remat_policy
 from lctrain.trainer.model.transformer import Transformer
+from lctrain.trainer.state.device_checks import layer_input_pieces
 from lctrain.trainer.state.optimizer import learning_rate_schedule, make_optimizer
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -93,6 +94,12 @@ def make_forward(recipe: Recipe, graphdef: nnx.GraphDef,
     """(params, batch) -> (model, final hidden states [b, s, d]) under the strategies (each
     layer attends with its kind's)."""
     policy = remat_policy(recipe.remat)
+    mesh = strategy.mesh
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+
+    def pieces(shape):  # rows x tokens of one chip's layer input
+        return layer_input_pieces(recipe, shape[0] // batch_shards,
+                                  shape[1] // strategy.sequence_shards) or 1
 
     def forward(params, batch):
         model = nnx.merge(graphdef, params)
@@ -102,7 +109,8 @@ def make_forward(recipe: Recipe, graphdef: nnx.GraphDef,
                        attend=strategy.attends, split_tokens=strategy.split_tokens,
                        remat_policy=policy, mlp_chunks=mlp_chunks,
                        gather_weight=strategy.gather_weight,
-                       layers_per_checkpoint=recipe.remat.layers_per_checkpoint)
+                       layers_per_checkpoint=recipe.remat.layers_per_checkpoint,
+                       layer_input_pieces=pieces(batch["inputs"].shape))
         return model, hidden
 
     return forward

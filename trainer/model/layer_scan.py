@@ -1,0 +1,131 @@
+"""How the decoder's stacked layers are applied: `lax.scan` over the layers (one step per
+layer, the step picking its layer's kind with a switch where there are several), over
+whole repeats of a pattern (layers of two parameter stacks), or over groups of layers
+rematerialized whole (remat.layers_per_checkpoint). Each names the layer input it saves
+`decoder_layer_input`, where a remat policy can keep or offload it."""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from lctrain.kernels.scopes import layer_share_scope
+
+
+def scan_layers(x: jax.Array, stacks: dict[str, nnx.State],
+                pattern: list[tuple[str, Callable]]) -> jax.Array:
+    """Applies the stacked layers (each stack with a leading 'layers' axis) in order:
+    layer i is pattern[i % len(pattern)] = (stack, fn), fn(x, the stack's next layer's
+    state) -> x. Whole repeats of the pattern are scanned, one per step (the body applies
+    its layers in turn), so compile time grows with the pattern, not with depth; the
+    layers after the last whole repeat (a prefix of the pattern) follow unscanned."""
+    per_repeat = collections.Counter(name for name, _ in pattern)
+    layers = sum(jax.tree.leaves(stacks[name])[0].shape[0] for name in per_repeat)
+    repeats = layers // len(pattern)
+
+    def one_repeat(x, states):
+        taken = collections.Counter()
+        for name, apply in pattern:
+            state = states[name]
+            x = apply(x, state if per_repeat[name] == 1 else _layer(state, taken[name]))
+            taken[name] += 1
+        return x, None
+
+    if repeats:
+        x, _ = jax.lax.scan(one_repeat, x, {name: _repeats(stacks[name], repeats, count)
+                                            for name, count in per_repeat.items()})
+    taken = collections.Counter()
+    for name, apply in pattern[:layers - repeats * len(pattern)]:
+        x = apply(x, _layer(stacks[name], repeats * per_repeat[name] + taken[name]))
+        taken[name] += 1
+    return x
+
+
+def layer_input(x: jax.Array, pieces: int = 1) -> jax.Array:
+    """x named decoder_layer_input, what a remat policy saves or offloads, in `pieces`
+    slices of its features: libtpu aborts offloading a piece of 4 GiB or more
+    (trainer/state/device_checks.py), and a slice of d_model keeps each chip's tokens."""
+    if pieces == 1:
+        return checkpoint_name(x, "decoder_layer_input")
+    return jnp.concatenate([checkpoint_name(part, "decoder_layer_input")
+                            for part in jnp.split(x, pieces, axis=-1)], axis=-1)
+
+
+def named_input(apply: Callable, name_input: Callable = layer_input) -> Callable:
+    return lambda x, layer_state: apply(name_input(x), layer_state)
+
+
+def _scoped(fn: Callable, scope: str) -> Callable:
+    def scoped(*args):
+        with jax.named_scope(scope):
+            return fn(*args)
+    return scoped
+
+
+def scan_layers_by_kind(x: jax.Array, stacked: nnx.State, kinds: list[str],
+                        fns: Mapping[str, Callable], remat: Callable[[Callable], Callable],
+                        name_input: Callable = layer_input) -> jax.Array:
+    """Applies the stacked layers, layer i being fns[kinds[i]](x, its state) -> x, one
+    scan step per layer; with several kinds the step picks its layer's with lax.switch.
+
+    Each kind's layer is rematerialized inside its switch branch as well as outside: the
+    backward then recomputes a layer inside its own branch, and no residual of one kind
+    waits beside the other's (the switch alone, or around attention only, holds both:
+    docs/layer-patterns.md). The layer input is named outside the switch, where
+    a remat policy can offload it."""
+    names = list(fns)
+    if len(names) == 1:
+        layer = remat(named_input(fns[names[0]], name_input))
+        return jax.lax.scan(lambda x, state: (layer(x, state), None), x, stacked)[0]
+    branches = [_scoped(remat(fns[name]), layer_share_scope(name, kinds.count(name),
+                                                            len(kinds)))
+                for name in names]
+    layer = remat(lambda x, state, index: jax.lax.switch(index, branches, name_input(x),
+                                                         state))
+    index = jnp.asarray([names.index(kind) for kind in kinds], jnp.int32)
+    return jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, (stacked, index))[0]
+
+
+def scan_layer_groups(x: jax.Array, stacked: nnx.State, fn: Callable,
+                      remat: Callable[[Callable], Callable], size: int,
+                      name_input: Callable = layer_input) -> jax.Array:
+    """The stacked layers, fn(x, state) -> x each, scanned `size` at a time, each group
+    rematerialized as a whole around its layers' own remat: the scan saves the input of
+    every group's first layer only (named decoder_layer_input, so a policy can offload
+    it), and the backward recomputes the group's forward to reach its other layers'
+    inputs. Layers after the last whole group follow one by one."""
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    groups = layers // size
+    layer = remat(fn)
+
+    def group(x, states):
+        for i in range(size):
+            x = layer(x, _layer(states, i))
+        return x
+
+    whole = remat(named_input(group, name_input))
+    x = jax.lax.scan(lambda x, states: (whole(x, states), None), x,
+                     _repeats(stacked, groups, size))[0]
+    for i in range(groups * size, layers):
+        x = remat(named_input(fn, name_input))(x, _layer(stacked, i))
+    return x
+
+
+def _repeats(stacked: nnx.State, repeats: int, per_repeat: int) -> nnx.State:
+    """The stack's first repeats * per_repeat layers, as [repeats, per_repeat, ...]
+    ([repeats, ...] for one layer a repeat)."""
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    scanned = stacked if repeats * per_repeat == layers else jax.tree.map(
+        lambda p: p[:repeats * per_repeat], stacked)
+    if per_repeat == 1:
+        return scanned
+    return jax.tree.map(lambda p: p.reshape(repeats, per_repeat, *p.shape[1:]), scanned)
+
+
+def _layer(states: nnx.State, i: int) -> nnx.State:
+    return jax.tree.map(lambda p: p[i], states)
