@@ -172,6 +172,17 @@ def test_a_checkpoint_every_two_layers_trains_like_every_layer(tmp_path, full_lo
     assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
 
 
+def test_a_layer_input_offloaded_in_slices_trains_like_one_piece(tmp_path, full_losses,
+                                                                 monkeypatch):
+    """Where one offloaded piece would reach libtpu's 4 GiB the layer input goes to the
+    host in slices of d_model (trainer/state/device_checks.layer_input_pieces): forced to 4
+    slices here, the losses are full remat's, exactly."""
+    from lctrain.trainer.state import step
+    monkeypatch.setattr(step, "layer_input_pieces", lambda recipe, rows, tokens: 4)
+    recipe = load_recipe("tiny", CPU_SETS + CASES["offload"])
+    assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
+
+
 @pytest.mark.parametrize("every", [2, 5])
 def test_sparser_checkpoints_keep_a_rings_loss_and_gradients(every):
     """The equivalence suite's comparison (tests/test_strategies.py) for the option: 5
