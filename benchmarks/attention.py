@@ -130,30 +130,32 @@ def time_impl(impl: str, seq_len: int, block: int, repeats: int, dtype,
 ERROR_NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
-def outputs_and_grads(impl: str, q, k, v, positions, segments, cotangent):
+def outputs_and_grads(impl: str, block: int, q, k, v, positions, segments, cotangent):
     """(out, lse, dq, dk, dv) of causal attention under a random output cotangent."""
     def attend(q, k, v):
         return kernels.attention(q, k, v, q_positions=positions, kv_positions=positions,
                                  q_segment_ids=segments, kv_segment_ids=segments,
-                                 causal=True, impl=impl, return_lse=True)
+                                 causal=True, impl=impl, block_q=block, block_kv=block,
+                                 return_lse=True)
 
     (out, lse), vjp = jax.vjp(attend, q, k, v)
     return (out, lse, *vjp((cotangent.astype(out.dtype), jnp.zeros_like(lse))))
 
 
-def kernel_errors(impl: str, seq_len: int, layout: str) -> dict[str, float]:
-    """`impl` with bf16 inputs against the xla kernel in f32 at 'highest' precision: max
-    abs error of out, dq, dk, dv over the reference's largest value; of lse, absolute."""
+def kernel_errors(impl: str, seq_len: int, layout: str, block: int = 512) -> dict[str, float]:
+    """`impl` with bf16 inputs and blocks of `block` against the xla kernel in f32 at
+    'highest' precision: max abs error of out, dq, dk, dv over the reference's largest
+    value; of lse, absolute."""
     rng = np.random.default_rng(1)
     q_shape, kv_shape = (s.shape for s in shapes(seq_len, jnp.float32)[:2])
     q, k, v, cotangent = (rng.standard_normal(shape, np.float32)
                           for shape in (q_shape, kv_shape, kv_shape, q_shape))
     positions, segments = map(jnp.asarray, ids(seq_len, layout))
-    run = jax.jit(outputs_and_grads, static_argnums=0)
+    run = jax.jit(outputs_and_grads, static_argnums=(0, 1))
     with jax.default_matmul_precision("highest"):
-        want = run("xla", q, k, v, positions, segments, cotangent)
-    got = run(impl, *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), positions, segments,
-              cotangent)
+        want = run("xla", block, q, k, v, positions, segments, cotangent)
+    got = run(impl, block, *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), positions,
+              segments, cotangent)
     errors = {}
     for name, g, w in zip(ERROR_NAMES, got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
@@ -164,11 +166,11 @@ def kernel_errors(impl: str, seq_len: int, layout: str) -> dict[str, float]:
 
 def print_errors(impls: list[str], args) -> None:
     print(f"\nagainst the xla kernel in f32 ('highest'), {args.check_seq_len} tokens, bf16 "
-          f"inputs: max error / max |reference| (lse: absolute)")
+          f"inputs, blocks {args.block}: max error / max |reference| (lse: absolute)")
     print(f"{'layout':<8}{'impl':<8}" + "".join(f"{name:>9}" for name in ERROR_NAMES))
     for layout in args.layouts:
         for impl in (name for name in impls if name != "cudnn"):
-            errors = kernel_errors(impl, args.check_seq_len, layout)
+            errors = kernel_errors(impl, args.check_seq_len, layout, args.block)
             print(f"{layout:<8}{kernels.resolve_impl(impl):<8}"
                   + "".join(f"{errors[name]:>9.1e}" for name in ERROR_NAMES), flush=True)
 
@@ -271,7 +273,8 @@ def print_timings(impls: list[str], args, dtype) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impls", nargs="+", default=None, choices=kernels.IMPLS,
-                        help="default: xla on CPU, every kernel elsewhere")
+                        help="default: xla on CPU; pallas, splash, xla on TPU; triton, "
+                             "cudnn, xla on GPU")
     parser.add_argument("--time-seq-lens", type=int, nargs="*", default=None,
                         help="default: 8K, 32K, 128K on an accelerator; 2K, 4K, 8K on CPU")
     parser.add_argument("--memory", metavar="TOPOLOGY", default=None,

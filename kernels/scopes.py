@@ -1,6 +1,6 @@
 """The scope name the model puts around a layer kind's branch and the HLO reader finds in
-compiled programs (parallel/hlo.py): one home below both, so the model takes no names
-from parallel/ (as kernels/residuals.py is for remat names)."""
+compiled programs (parallel/hlo.py): one home below both, so the model takes no name
+from the HLO reader (as kernels/residuals.py is the home of remat names)."""
 
 import re
 

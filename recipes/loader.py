@@ -337,7 +337,8 @@ def _validate_remat(recipe: Recipe) -> None:
     require(r.mlp_chunk_tokens >= 0, "remat.mlp_chunk_tokens", r.mlp_chunk_tokens,
              "use a positive number of tokens, or 0 to run the MLP unchunked")
     every = r.layers_per_checkpoint
-    require(every >= 1, "remat.layers_per_checkpoint", every, "use 1 or more layers")
+    require(1 <= every <= recipe.model.layers, "remat.layers_per_checkpoint", every,
+             f"use 1 to model.layers ({recipe.model.layers})")
     if every > 1:
         require(r.policy != "save_all", "remat.layers_per_checkpoint", every,
                  "recomputes layers in backward, which remat.policy=save_all never does; "

@@ -58,13 +58,12 @@ def resolve_mesh(recipe: Recipe, device_count: int) -> dict[str, int]:
         fixed *= size if size > 0 else 1
     fill = [axis for axis, size in sizes.items() if size == -1]
     if fill:
-        fixed_axes = " x ".join(f"mesh.{axis}" for axis, size in sizes.items() if size > 1)
+        split = [axis for axis, size in sizes.items() if size > 1]
         require(device_count % fixed == 0, f"mesh.{fill[0]}", -1,
-                 f"the other axes ({fixed_axes}) multiply to {fixed}, which does not divide "
-                 f"the {device_count} device{'s' if device_count > 1 else ''} jax sees; "
-                 f"lower them to a product that divides {device_count}"
-                 + (": --set mesh.context=1 --set parallel.strategy=none" if device_count == 1
-                    else ""))
+                 f"the other axes ({' x '.join(f'mesh.{axis}' for axis in split)}) multiply "
+                 f"to {fixed}, which does not divide the {device_count} "
+                 f"device{'s' if device_count > 1 else ''} jax sees; lower them to a product "
+                 f"that divides {device_count}" + _one_device_fix(split, device_count))
         sizes[fill[0]] = device_count // fixed
     product = 1
     for size in sizes.values():
@@ -73,6 +72,17 @@ def resolve_mesh(recipe: Recipe, device_count: int) -> dict[str, int]:
              f"axis sizes multiply to {product} but there are {device_count} devices; "
              f"make the product {device_count} or set one axis to -1")
     return sizes
+
+
+def _one_device_fix(split: list[str], device_count: int) -> str:
+    """The settings that run the recipe on one device: every split axis 1, and no
+    context-parallel strategy once the context axis is 1."""
+    if device_count != 1:
+        return ""
+    sets = [f"--set mesh.{axis}=1" for axis in split]
+    if "context" in split:
+        sets.append("--set parallel.strategy=none")
+    return ": " + " ".join(sets)
 
 
 def stored_chunks(recipe: Recipe, context: int) -> int:

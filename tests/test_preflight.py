@@ -5,6 +5,7 @@ import jax
 import pytest
 
 from lctrain.recipes import RecipeError, load_recipe
+from lctrain.trainer.model.remat import layer_input_pieces
 from lctrain.trainer.state import device_checks
 from lctrain.trainer.train import loop
 from lctrain.trainer.train.preflight import check_run
@@ -67,12 +68,12 @@ def test_an_offloaded_layer_input_goes_to_the_host_in_pieces_under_4_gib():
     524,288 x 4096 bf16 = 4 GiB per layer and chip: two slices of d_model (2 GiB each); at
     1M tokens one; f32 needs one more halving. Refused only where no slicing does."""
     long = load_recipe("llama3_8b_1m", ["data.seq_len=2097152"])
-    assert device_checks.layer_input_pieces(long, 1, 524288) == 2
-    assert device_checks.layer_input_pieces(load_recipe("llama3_8b_1m"), 1, 262144) == 1
+    assert layer_input_pieces(long, 1, 524288) == 2
+    assert layer_input_pieces(load_recipe("llama3_8b_1m"), 1, 262144) == 1
     f32 = load_recipe("llama3_8b_1m", ["model.dtype=float32", "data.seq_len=2097152"])
-    assert device_checks.layer_input_pieces(f32, 1, 524288) == 4
-    assert device_checks.layer_input_pieces(load_recipe("tiny"), 1, 2**40) == 1  # on device
-    assert device_checks.layer_input_pieces(f32, 1, 2**22 * 4096) is None
+    assert layer_input_pieces(f32, 1, 524288) == 4
+    assert layer_input_pieces(load_recipe("tiny"), 1, 2**40) == 1  # on device
+    assert layer_input_pieces(f32, 1, 2**22 * 4096) is None
     sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
     device_checks.check_offload_piece(long, sizes, "tpu")
     too_long = load_recipe("llama3_8b_1m", [f"data.seq_len={2**42}"])

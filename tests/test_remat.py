@@ -175,12 +175,45 @@ def test_a_checkpoint_every_two_layers_trains_like_every_layer(tmp_path, full_lo
 def test_a_layer_input_offloaded_in_slices_trains_like_one_piece(tmp_path, full_losses,
                                                                  monkeypatch):
     """Where one offloaded piece would reach libtpu's 4 GiB the layer input goes to the
-    host in slices of d_model (trainer/state/device_checks.layer_input_pieces): forced to 4
+    host in slices of d_model (trainer/model/remat.layer_input_pieces): forced to 4
     slices here, the losses are full remat's, exactly."""
     from lctrain.trainer.state import step
     monkeypatch.setattr(step, "layer_input_pieces", lambda recipe, rows, tokens: 4)
     recipe = load_recipe("tiny", CPU_SETS + CASES["offload"])
     assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
+
+
+def saved_layer_inputs(sets: list[str]) -> int:
+    """How many times per step the forward names a layer input (decoder_layer_input, what
+    the scan saves or offloads), from the loss's jaxpr: each named slice counts."""
+    from lctrain.kernels.jaxpr_walk import equations
+    from lctrain.parallel import make_strategy
+    from lctrain.trainer.state.step import make_loss_sums
+
+    recipe = load_recipe("tiny", ["model.layers=6", "data.seq_len=64", *CASES["offload"],
+                                  *sets])
+    mesh = mesh_for(recipe, jax.devices()[:1])
+    trainable = build_trainable(recipe, mesh)
+    loss_sums = make_loss_sums(recipe, trainable.graphdef, make_strategy(recipe, mesh))
+    batch = {name: jax.ShapeDtypeStruct((8, 64), jax.numpy.float32 if name == "loss_mask"
+                                        else jax.numpy.int32)
+             for name in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    jaxpr = jax.make_jaxpr(lambda p, b: loss_sums(p, b)[0])(trainable.abstract_state.params,
+                                                            batch).jaxpr
+    return sum(times for eqn, times in equations(jaxpr)
+               if eqn.primitive.name == "name" and eqn.params["name"] == "decoder_layer_input")
+
+
+def test_the_options_change_what_the_scan_names_for_saving(monkeypatch):
+    """6 layers: each input named once; in groups of 2, the 3 groups' inputs; in groups of
+    4, one group's and the 2 layers after it; in 4 slices of d_model, 4 names an input.
+    (The training tests compare losses, which an ignored option would keep too.)"""
+    from lctrain.trainer.state import step
+    assert saved_layer_inputs([]) == 6
+    assert saved_layer_inputs(["remat.layers_per_checkpoint=2"]) == 3
+    assert saved_layer_inputs(["remat.layers_per_checkpoint=4"]) == 1 + 2  # a group, 2 alone
+    monkeypatch.setattr(step, "layer_input_pieces", lambda recipe, rows, tokens: 4)
+    assert saved_layer_inputs([]) == 6 * 4
 
 
 @pytest.mark.parametrize("every", [2, 5])
@@ -221,7 +254,8 @@ def test_the_plan_offloads_one_layer_input_in_k_and_recomputes_the_rest():
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["remat.layers_per_checkpoint=0"], "use 1 or more"),
+    (["remat.layers_per_checkpoint=0"], "use 1 to model.layers"),
+    (["remat.layers_per_checkpoint=3", "model.layers=2"], r"use 1 to model.layers \(2\)"),
     (["remat.layers_per_checkpoint=2", "remat.policy=save_all"], "save_all never does"),
     (["remat.layers_per_checkpoint=2", "model.layer_pattern=[{kind: sliding, count: 2, "
       "window: 8}, {kind: global}]"], "global layers only")])

@@ -55,7 +55,8 @@ from lctrain import kernels
 from lctrain.kernels import splash
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.cost_model import F32, AttentionFootprint, Dims
-from lctrain.parallel.planner.shapes import Weights, loss_chunks, mlp_chunk_len
+from lctrain.parallel.planner.shapes import (Weights, checkpoint_shares, loss_chunks,
+                                             mlp_chunk_len)
 from lctrain.parallel.ring_cost import ring_attention_footprint
 from lctrain.parallel.strategy import ContextStrategy, stored_chunk_tokens
 from lctrain.recipes.schema import Recipe
@@ -248,12 +249,12 @@ def _saved_per_token(recipe: Recipe, dm: Dims) -> tuple[float, float]:
         if where == "device" and n != "decoder_layer_input")
     host = sum(named[n] for n, where in recipe.remat.tensors.items() if where == "offload")
     if recipe.remat.tensors.get("decoder_layer_input") == "offload":
-        # One layer input in remat.layers_per_checkpoint reaches the host. On the device
+        # Only the saved layer inputs reach the host (checkpoint_shares). On the device
         # the recomputed groups' transients take what the fewer saved inputs free (llama3.1-8b,
         # all_gather, 128K on v5p:2x2x1, full remat: 64.40 GB, 62.80 in groups of 2, 62.98
         # of 4), so the device side stays as it was.
-        every = recipe.remat.layers_per_checkpoint
-        host -= named["decoder_layer_input"] * (every - 1) / every
+        saved, _ = checkpoint_shares(recipe.model.layers, recipe.remat.layers_per_checkpoint)
+        host -= named["decoder_layer_input"] * (1 - saved)
     # The scan carry (the layer input) is always kept unless it was offloaded.
     if recipe.remat.tensors.get("decoder_layer_input") != "offload":
         device += carry

@@ -177,6 +177,15 @@ def context_kept(recipe: Recipe) -> bool:
         policy == "custom" and recipe.remat.tensors.get("context") in ("device", "offload"))
 
 
+def checkpoint_shares(layers: int, every: int) -> tuple[float, float]:
+    """(share of the layers whose input is saved, share run forward once more) with
+    remat.layers_per_checkpoint = `every` (trainer/model/layer_scan.scan_layer_groups):
+    each whole group saves its first layer's input and recomputes the others'; the layers
+    after the last whole group save their own."""
+    groups = layers // every
+    return (groups + layers % every) / layers, groups * (every - 1) / layers
+
+
 def loss_chunks(recipe: Recipe, c: int) -> tuple[int, int]:
     """(number of chunks, tokens per chunk per sequence per device) as trainer/model/loss.py
     cuts the local part of the sequence."""

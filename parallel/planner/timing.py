@@ -19,7 +19,7 @@ import math
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import RING_SENDS, RingTiming, Traffic
 from lctrain.parallel.planner import layer_kinds
-from lctrain.parallel.planner.shapes import count_parameters, loss_chunks
+from lctrain.parallel.planner.shapes import checkpoint_shares, count_parameters, loss_chunks
 from lctrain.parallel.planner.traffic import DCN
 from lctrain.recipes.schema import Recipe
 
@@ -85,8 +85,8 @@ def _flops_per_device(recipe: Recipe, axis_sizes: dict[str, int]) -> dict:
         extra = tokens * (2 * layer_params + attention_fwd)
     elif recipe.remat.policy in ("minimal", "custom"):
         extra = tokens * attention_fwd
-    every = recipe.remat.layers_per_checkpoint  # a group but its last layer: forward once more
-    extra += tokens * (2 * layer_params + attention_fwd) * (every - 1) / every
+    _, recomputed = checkpoint_shares(m.layers, recipe.remat.layers_per_checkpoint)
+    extra += tokens * (2 * layer_params + attention_fwd) * recomputed
     n_chunks = loss_chunks(recipe, axis_sizes["context"])[0]
     if n_chunks > 1:        # the chunked loss recomputes each chunk's logits in backward
         extra += tokens * 2 * m.d_model * m.vocab

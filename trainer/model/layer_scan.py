@@ -48,8 +48,8 @@ def scan_layers(x: jax.Array, stacks: dict[str, nnx.State],
 
 def layer_input(x: jax.Array, pieces: int = 1) -> jax.Array:
     """x named decoder_layer_input, what a remat policy saves or offloads, in `pieces`
-    slices of its features: libtpu aborts offloading a piece of 4 GiB or more
-    (trainer/state/device_checks.py), and a slice of d_model keeps each chip's tokens."""
+    slices of its features: libtpu aborts offloading a piece of 4 GiB
+    (remat.OFFLOAD_PIECE_LIMIT), and a slice of d_model keeps each chip's tokens."""
     if pieces == 1:
         return checkpoint_name(x, "decoder_layer_input")
     return jnp.concatenate([checkpoint_name(part, "decoder_layer_input")

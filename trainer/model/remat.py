@@ -6,7 +6,7 @@ from typing import Callable
 
 import jax
 
-from lctrain.recipes.schema import REMAT_TENSORS, RematConfig
+from lctrain.recipes.schema import REMAT_TENSORS, Recipe, RematConfig
 
 # Everything the layer computes with a weight matrix; what `minimal` keeps.
 MATMUL_OUTPUTS = ("query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
@@ -27,3 +27,25 @@ def remat_policy(cfg: RematConfig) -> Callable | None:
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=kept, names_which_can_be_offloaded=offloaded,
         offload_src="device", offload_dst="pinned_host")
+
+
+# libtpu (0.0.42.1 and 0.0.50.1) aborts compiling a layer scan that offloads a piece of 4 GiB
+# to host memory: "Check failed: index_space_.start <= index_space_.limit (0 vs. -1)" in its
+# to-host DMA loop (EnqueueToHostIovaStridedDmaInGranulesRolledLoop), a 32-bit size wrapping
+# to 0. 8 GiB aborts too; 6 GiB compiles, but such a wrapped count is not to be trusted
+# with a run's gradients, and no chip has run one. So each piece stays under 4 GiB: the layer
+# input is offloaded in slices of d_model where one piece would not.
+OFFLOAD_PIECE_LIMIT = 2**32
+
+
+def layer_input_pieces(recipe: Recipe, rows: int, tokens: int) -> int | None:
+    """How many slices of d_model an offloaded layer input of `rows` x `tokens` per chip
+    is named in (trainer/model/layer_scan.layer_input), the fewest that keep each under
+    OFFLOAD_PIECE_LIMIT; 1 when the layer input is not offloaded; None if no slicing
+    does."""
+    if recipe.remat.tensors.get("decoder_layer_input") != "offload":
+        return 1
+    width = recipe.model.d_model
+    whole = rows * tokens * width * (4 if recipe.model.dtype == "float32" else 2)
+    return next((pieces for pieces in range(1, width + 1)
+                 if width % pieces == 0 and whole // pieces < OFFLOAD_PIECE_LIMIT), None)

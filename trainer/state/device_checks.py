@@ -22,6 +22,7 @@ from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.parallel.mesh import slice_count
 from lctrain.recipes import Recipe, RecipeError, check_against_devices
 from lctrain.recipes.schema import require
+from lctrain.trainer.model.remat import layer_input_pieces
 
 
 class DevicePlan(NamedTuple):
@@ -99,40 +100,19 @@ def check_host_memory(recipe: Recipe, kinds: set[str]) -> None:
                 f"device")
 
 
-# libtpu (0.0.42.1 and 0.0.50.1) aborts compiling a layer scan that offloads a piece of 4 GiB
-# to host memory: "Check failed: index_space_.start <= index_space_.limit (0 vs. -1)" in its
-# to-host DMA loop (EnqueueToHostIovaStridedDmaInGranulesRolledLoop), a 32-bit size wrapping
-# to 0. 8 GiB aborts too; 6 GiB compiles, but such a wrapped count is not to be trusted
-# with a run's gradients, and no chip has run one. So each piece stays under 4 GiB: the layer
-# input is offloaded in slices of d_model where one piece would not.
-OFFLOAD_PIECE_LIMIT = 2**32
-
-
-def layer_input_pieces(recipe: Recipe, rows: int, tokens: int) -> int | None:
-    """How many slices of d_model an offloaded layer input of `rows` x `tokens` per chip
-    is named in (trainer/model/transformer.layer_input), the fewest that keep each under
-    OFFLOAD_PIECE_LIMIT; 1 when the layer input is not offloaded; None if no slicing
-    does."""
-    if recipe.remat.tensors.get("decoder_layer_input") != "offload":
-        return 1
-    width = recipe.model.d_model
-    whole = rows * tokens * width * (4 if recipe.model.dtype == "float32" else 2)
-    return next((pieces for pieces in range(1, width + 1)
-                 if width % pieces == 0 and whole // pieces < OFFLOAD_PIECE_LIMIT), None)
-
-
 def check_offload_piece(recipe: Recipe, sizes: dict[str, int], platform: str) -> None:
-    """On TPU, an offloaded layer input goes to the host in pieces (`layer_input_pieces`),
-    each under OFFLOAD_PIECE_LIMIT."""
+    """On TPU, an offloaded layer input goes to the host in pieces
+    (trainer/model/remat.layer_input_pieces), each under libtpu's limit."""
     if platform != "tpu":
         return
     d, t = recipe.data, recipe.train
     rows = d.batch_size // (sizes["data"] * sizes["fsdp"] * t.grad_accum_steps)
     tokens = d.seq_len // sizes["context"]
     require(layer_input_pieces(recipe, rows, tokens) is not None, "data.seq_len", d.seq_len,
-            f"offloads layer inputs of {rows} x {tokens:,} tokens per chip, which no slicing "
-            f"of d_model keeps under libtpu's 4 GiB; spread the sequence over more chips "
-            f"(mesh.context) or shorten it")
+            f"offloads layer inputs of {rows} row(s) x {tokens:,} tokens per chip, which no "
+            f"slicing of d_model keeps under libtpu's 4 GiB; spread the sequence over more "
+            f"chips (mesh.context), shorten it, or put fewer rows on a chip (data.batch_size, "
+            f"train.grad_accum_steps)")
 
 
 def memory_kinds(devices) -> set[str]:

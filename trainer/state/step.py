@@ -15,9 +15,8 @@ from lctrain.parallel.sharding import batch_sharding, parameter_shardings, repli
 from lctrain.parallel.token_chunks import chunks_for
 from lctrain.recipes.schema import Recipe
 from lctrain.trainer.model.loss import LossAux, next_token_loss
-from lctrain.trainer.model.remat import remat_policy
+from lctrain.trainer.model.remat import layer_input_pieces, remat_policy
 from lctrain.trainer.model.transformer import Transformer
-from lctrain.trainer.state.device_checks import layer_input_pieces
 from lctrain.trainer.state.optimizer import learning_rate_schedule, make_optimizer
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
