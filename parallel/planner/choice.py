@@ -50,8 +50,8 @@ def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
     bound = "communication" if best.comm_s > best.compute_s else "compute"
     speed = "fastest" if best.step_s == fastest else "near-fastest"
     reason = (f"fits ({gigabytes(best.deciding_hbm_bytes)} of {gigabytes(best.hbm_capacity)} "
-              f"per device, {_figure_source(best)}) with the {speed} estimated step ({bound}-bound, "
-              f"MFU <= {best.mfu_bound:.0%})")
+              f"per device, {_figure_source(best)}) with the {speed} estimated step "
+              f"({bound}-bound, MFU <= {best.mfu_bound:.0%})")
     if len(near) > 1:
         reason += f"; simplest of {', '.join(p.name for p in near)} (within {TIE - 1:.1%})"
     too_big = [p.name for p in plans if not p.deciding_fits and not p.compile_failed]

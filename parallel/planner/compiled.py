@@ -28,8 +28,8 @@ from typing import Any, Callable, ContextManager
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.planner.choice import recommend
 from lctrain.parallel.planner.estimate import recipe_for_plan
-from lctrain.parallel.planner.results import ABORTED, COMPILER_FAILED, REFUSED, Plan, \
-    is_xla_error
+from lctrain.parallel.planner.results import (ABORTED, COMPILER_FAILED, REFUSED, Plan,
+                                              is_xla_error)
 from lctrain.recipes import RecipeError
 from lctrain.recipes.schema import Recipe
 

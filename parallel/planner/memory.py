@@ -247,14 +247,13 @@ def _saved_per_token(recipe: Recipe, dm: Dims) -> tuple[float, float]:
     device = CALIBRATION["saved_copies"] * sum(
         named[n] for n, where in recipe.remat.tensors.items()
         if where == "device" and n != "decoder_layer_input")
-    host = sum(named[n] for n, where in recipe.remat.tensors.items() if where == "offload")
-    if recipe.remat.tensors.get("decoder_layer_input") == "offload":
-        # Only the saved layer inputs reach the host (checkpoint_shares). On the device
-        # the recomputed groups' transients take what the fewer saved inputs free (llama3.1-8b,
-        # all_gather, 128K on v5p:2x2x1, full remat: 64.40 GB, 62.80 in groups of 2, 62.98
-        # of 4), so the device side stays as it was.
-        saved, _ = checkpoint_shares(recipe.model.layers, recipe.remat.layers_per_checkpoint)
-        host -= named["decoder_layer_input"] * (1 - saved)
+    # Only the saved layer inputs reach the host (checkpoint_shares). On the device the
+    # recomputed groups' transients take what the fewer saved inputs free (llama3.1-8b,
+    # all_gather, 128K on v5p:2x2x1, full remat: 64.40 GB, 62.80 in groups of 2, 62.98 of
+    # 4), so the device side stays as it was.
+    saved, _ = checkpoint_shares(recipe.model.layers, recipe.remat.layers_per_checkpoint)
+    host = sum(named[n] * (saved if n == "decoder_layer_input" else 1)
+               for n, where in recipe.remat.tensors.items() if where == "offload")
     # The scan carry (the layer input) is always kept unless it was offloaded.
     if recipe.remat.tensors.get("decoder_layer_input") != "offload":
         device += carry

@@ -108,11 +108,11 @@ def scan_layer_groups(x: jax.Array, stacked: nnx.State, fn: Callable,
             x = layer(x, _layer(states, i))
         return x
 
-    whole = remat(named_input(group, name_input))
+    whole, alone = (remat(named_input(apply, name_input)) for apply in (group, fn))
     x = jax.lax.scan(lambda x, states: (whole(x, states), None), x,
                      _repeats(stacked, groups, size))[0]
     for i in range(groups * size, layers):
-        x = remat(named_input(fn, name_input))(x, _layer(stacked, i))
+        x = alone(x, _layer(stacked, i))
     return x
 
 

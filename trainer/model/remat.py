@@ -6,6 +6,7 @@ from typing import Callable
 
 import jax
 
+from lctrain.parallel.planner.shapes import BYTES
 from lctrain.recipes.schema import REMAT_TENSORS, Recipe, RematConfig
 
 # Everything the layer computes with a weight matrix; what `minimal` keeps.
@@ -46,6 +47,6 @@ def layer_input_pieces(recipe: Recipe, rows: int, tokens: int) -> int | None:
     if recipe.remat.tensors.get("decoder_layer_input") != "offload":
         return 1
     width = recipe.model.d_model
-    whole = rows * tokens * width * (4 if recipe.model.dtype == "float32" else 2)
+    whole = rows * tokens * width * BYTES[recipe.model.dtype]
     return next((pieces for pieces in range(1, width + 1)
                  if width % pieces == 0 and whole // pieces < OFFLOAD_PIECE_LIMIT), None)
