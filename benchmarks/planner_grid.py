@@ -4,7 +4,7 @@ terms are checked and refitted against (issue 19; benchmarks/refit_planner.py re
 Every point is one train step compiled by XLA's TPU compiler on this CPU machine (libtpu
 ahead of time, parallel/planner/compiled.py), for one strategy, remat policy, sequence
 length and topology (remat: full, the layer inputs offloaded, or offloaded with the MLP
-in chunks as recipes/llama3_8b_1m.yaml runs it). A point that fits records
+in chunks as recipes/llama3_8b_1m.yaml runs it, or as recipes/llama3_8b_128k.yaml does: "lean"). A point that fits records
 memory_analysis()'s bytes; one XLA refuses records the bytes its RESOURCE_EXHAUSTED
 message says it needs ("Used 97.24G of 95.74G hbm": binary units, the same sum of
 arguments and program temporaries).
@@ -62,8 +62,9 @@ REMAT = {"full": ("remat.policy=full",),
          "offload": ("remat.policy=custom", "remat.tensors={decoder_layer_input: offload}")}
 K, M = 2**10, 2**20
 # recipes/llama3_8b_1m.yaml's MLP chunks (remat.mlp_chunk_tokens, whole sequence): 8192
-# tokens per chip, so Point.overrides scales them with the chips.
-MLP_CHUNK_TOKENS_PER_CHIP = 8 * K
+# tokens per chip, so Point.overrides scales them with the chips; recipes/llama3_8b_128k.yaml's
+# ("lean": with remat.recast_weights besides) 2048.
+MLP_CHUNK_TOKENS_PER_CHIP = {"offload_mlp_chunks": 8 * K, "lean": 2 * K}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,8 @@ class Grid:
     # (model, topology, tokens) compiled with the layer inputs offloaded and the MLP in
     # chunks (recipes/llama3_8b_1m.yaml's settings)
     mlp_chunk_cases: tuple[tuple[str, str, int], ...] = ()
+    # ... and with recipes/llama3_8b_128k.yaml's (smaller chunks, weights recast per layer)
+    lean_cases: tuple[tuple[str, str, int], ...] = ()
 
 
 GRIDS = {
@@ -83,7 +86,8 @@ GRIDS = {
                 mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 1 * M),)),
     "heldout": Grid((("llama3.1-8b", "v5p:2x2x1", 256 * K), ("llama3.1-8b", "v5p:2x2x1", 1 * M),
                      ("llama3.1-8b", "v5p:4x4x4", 2 * M), ("llama3.1-8b", "v5p:4x4x4", 8 * M)),
-                    mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 512 * K),)),
+                    mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 512 * K),),
+                    lean_cases=(("llama3.1-8b", "v5p:2x2x1", 128 * K),)),
     # tests/test_planner.py's FULL_GRID (24 programs of a few seconds to minutes each)
     "small": Grid(tuple((model, "v5p:2x2x1", seq) for model in ("tiny512", "mid")
                         for seq in (8 * K, 32 * K)),
@@ -118,13 +122,14 @@ class Point:
 
 
 def remat_overrides(remat: str, topology: str) -> list[str]:
-    """REMAT's settings, or (offload_mlp_chunks) the offload ones with the MLP in chunks of
-    MLP_CHUNK_TOKENS_PER_CHIP per chip."""
-    if remat != "offload_mlp_chunks":
+    """REMAT's settings, or (offload_mlp_chunks, lean) the offload ones with the MLP in
+    chunks of MLP_CHUNK_TOKENS_PER_CHIP per chip (lean: and the weights recast per layer)."""
+    if remat not in MLP_CHUNK_TOKENS_PER_CHIP:
         return list(REMAT[remat])
     from lctrain.parallel import chips
-    chunk = MLP_CHUNK_TOKENS_PER_CHIP * chips.topology_device_count(topology)
-    return [*REMAT["offload"], f"remat.mlp_chunk_tokens={chunk}"]
+    chunk = MLP_CHUNK_TOKENS_PER_CHIP[remat] * chips.topology_device_count(topology)
+    recast = ["remat.recast_weights=true"] if remat == "lean" else []
+    return [*REMAT["offload"], f"remat.mlp_chunk_tokens={chunk}", *recast]
 
 
 def versions() -> dict[str, str | None]:
@@ -174,7 +179,8 @@ def grid_points(names: list[str]) -> tuple[list[Point], list[str]]:
     for name in names:
         grid = GRIDS[name]
         cases = [*itertools.product(grid.cases, grid.remats),
-                 *((case, "offload_mlp_chunks") for case in grid.mlp_chunk_cases)]
+                 *((case, "offload_mlp_chunks") for case in grid.mlp_chunk_cases),
+                 *((case, "lean") for case in grid.lean_cases)]
         for (model, topology, seq_len), remat in cases:
             # as `lctrain plan` asks: every strategy the mesh allows
             recipe, sizes = recipe_and_mesh(topology, [

@@ -49,6 +49,28 @@ def gathered_spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ..
     return logical_spec(mesh, tuple(None if name == "embed" else name for name in axes), shape)
 
 
+def gathered_weight(mesh: Mesh, w: jax.Array, axes: tuple[str | None, ...],
+                    dtype) -> jax.Array:
+    """A float32 parameter gathered as gathered_spec says, in the compute `dtype` (half the
+    bytes), and handed back in float32: a loop over token chunks then adds its gradient up
+    in float32, and that gradient is reduced in float32 to the parameter's own sharding.
+    The loop casts it to `dtype` again, so it sees the values a float32 gather would give."""
+    whole = NamedSharding(mesh, gathered_spec(mesh, axes, w.shape))
+
+    @jax.custom_vjp
+    def gather(w):
+        return jax.lax.with_sharding_constraint(w.astype(dtype), whole).astype(w.dtype)
+
+    def forward(w):
+        return gather(w), None
+
+    def backward(_, gradient):
+        return (jax.lax.with_sharding_constraint(gradient, whole),)
+
+    gather.defvjp(forward, backward)
+    return gather(w)
+
+
 def parameter_shardings(mesh: Mesh, abstract_state: nnx.State) -> dict:
     """NamedShardings (as a pure dict, like the parameters) from each Param's `axes`."""
     def sharding(variable: nnx.Variable) -> NamedSharding:

@@ -25,7 +25,7 @@ from lctrain import kernels
 from lctrain.kernels import pallas, splash, triton
 from lctrain.parallel.cost_model import (F32, AttentionFootprint, Dims, NotOnThisMesh, RingTiming,
                                          Traffic)
-from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_spec
+from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_weight
 from lctrain.recipes import stored_chunks
 from lctrain.recipes.schema import Recipe, RecipeError
 
@@ -150,11 +150,11 @@ class ContextStrategy:
         spec = P(LOGICAL_TO_MESH["batch"], LOGICAL_TO_MESH["sequence"], *[None] * (x.ndim - 2))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-    def gather_weight(self, w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-        """Constrains a parameter (logical `axes`) to whole on every device but for tensor
-        parallelism: gathered where this is called, e.g. once before a loop that uses it."""
-        return jax.lax.with_sharding_constraint(
-            w, NamedSharding(self.mesh, gathered_spec(self.mesh, axes, w.shape)))
+    def gather_weight(self, w: jax.Array, axes: tuple[str, ...], dtype) -> jax.Array:
+        """A parameter (logical `axes`) whole on every device but for tensor parallelism,
+        gathered in `dtype` where this is called, e.g. once before a loop that uses it
+        (parallel/sharding.gathered_weight)."""
+        return gathered_weight(self.mesh, w, axes, dtype)
 
     def local_attention(self, q, k, v, positions, segment_ids, window=None):
         """One device's work: its [b, s/context, heads/tensor, d] chunk of q, k, v, with

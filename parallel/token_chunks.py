@@ -14,10 +14,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-# (parameter, its logical axes) -> the parameter whole but for tensor parallelism (the
-# strategy's sharding constraint): what a chunk loop's body computes with, gathered once
-# before the loop.
-GatherWeight = Callable[[jax.Array, tuple[str, ...]], jax.Array]
+# (parameter, its logical axes, compute dtype) -> the parameter whole but for tensor
+# parallelism (the strategy's sharding constraint), gathered in the compute dtype: what a
+# chunk loop's body computes with, gathered once before the loop.
+GatherWeight = Callable[[jax.Array, tuple[str, ...], jnp.dtype], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,11 @@ def test_state_and_gradient_bytes_by_hand():
     # bf16 copies of the layer stacks (how many: calibrated on compiled programs)
     assert estimate.memory["weight_copies"] == pytest.approx(
         planner.CALIBRATION["weight_copies"] * 2 * 2 * layer / 4)
+    # ... fewer where each layer's weights are cast inside the layer loop
+    recast = planner.estimate(tiny("remat.recast_weights=true"), CONTEXT4, V5P, "all_gather")
+    assert recast.memory["weight_copies"] == pytest.approx(
+        (planner.CALIBRATION["weight_copies"] - planner.CALIBRATION["recast_weight_copies"])
+        * 2 * 2 * layer / 4)
 
 
 def test_dimensions_the_mesh_does_not_divide_stay_whole():

@@ -30,6 +30,16 @@ def remat_policy(cfg: RematConfig) -> Callable | None:
         offload_src="device", offload_dst="pinned_host")
 
 
+def compiler_options(recipe: Recipe, platform: str) -> dict[str, str]:
+    """XLA options the train step compiles with. remat.recast_weights turns off the TPU
+    compiler's bf16 propagation, which moves each layer's float32-to-bf16 weight cast in
+    front of the layer loop's slicing and then out of the loop: one bf16 copy of all the
+    layers' weights, alive from the first layer's forward to the last one's backward."""
+    if recipe.remat.recast_weights and platform == "tpu":
+        return {"xla_jf_bf16_propagation": "false"}
+    return {}
+
+
 # libtpu (0.0.42.1 and 0.0.50.1) aborts compiling a layer scan that offloads a piece of 4 GiB
 # to host memory: "Check failed: index_space_.start <= index_space_.limit (0 vs. -1)" in its
 # to-host DMA loop (EnqueueToHostIovaStridedDmaInGranulesRolledLoop), a 32-bit size wrapping

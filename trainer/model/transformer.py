@@ -118,18 +118,18 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (f, e), ("mlp", "embed"), f)
 
     def __call__(self, x, chunks: TokenChunks | None = None,
-                 gather_weight: GatherWeight = lambda w, axes: w):
+                 gather_weight: GatherWeight = lambda w, axes, dtype: w):
         """The gated MLP over [b, s, e]; with `chunks`, one chunk of tokens at a time."""
         if chunks is None:
             return gated_mlp(*gradients_together(x, self.gate[...], self.up[...],
                                                  self.down[...]),
                              ACTIVATIONS[self.activation])
-        # The weights are gathered whole before the chunk loop (inside it XLA would gather
-        # them, and reduce their gradients, once per chunk) and stay float32 there, so their
-        # gradients add up over the chunks in float32 rather than in the compute dtype.
-        gate = gather_weight(self.gate[...], ("embed", "mlp"))
-        up = gather_weight(self.up[...], ("embed", "mlp"))
-        down = gather_weight(self.down[...], ("mlp", "embed"))
+        # The weights are gathered whole, in the compute dtype, before the chunk loop
+        # (inside it XLA would gather them, and reduce their gradients, once per chunk) and
+        # are float32 there, so their gradients add up over the chunks in float32.
+        gate = gather_weight(self.gate[...], ("embed", "mlp"), x.dtype)
+        up = gather_weight(self.up[...], ("embed", "mlp"), x.dtype)
+        down = gather_weight(self.down[...], ("mlp", "embed"), x.dtype)
         x, gate, up, down = gradients_together(x, gate, up, down)
         activation = ACTIVATIONS[self.activation]
         return chunks.map(lambda chunk: gated_mlp(chunk, gate, up, down, activation), x)
@@ -179,7 +179,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, rotary, attend: Attend,
                  mlp_chunks: TokenChunks | None = None,
-                 gather_weight: GatherWeight = lambda w, axes: w):
+                 gather_weight: GatherWeight = lambda w, axes, dtype: w):
         attended = self.attention(self.attention_norm(x), positions, segment_ids, rotary, attend)
         x = x + _normed(self.attention_post_norm, attended)
         return x + _normed(self.mlp_post_norm,
@@ -232,7 +232,7 @@ class Transformer(nnx.Module):
                  remat_policy: Callable | None = None,
                  split_tokens: Callable[[jax.Array], jax.Array] = lambda x: x,
                  mlp_chunks: TokenChunks | None = None,
-                 gather_weight: GatherWeight = lambda w, axes: w,
+                 gather_weight: GatherWeight = lambda w, axes, dtype: w,
                  layers_per_checkpoint: int = 1, layer_input_pieces: int = 1) -> jax.Array:
         """Final (normalized) hidden states [b, s, d_model] in the compute dtype.
 

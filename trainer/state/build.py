@@ -22,6 +22,7 @@ from lctrain.parallel.auto import (COMPILER_FAILED, CompiledNeed, compiler_failu
                                    shortfall, strategy_name)
 from lctrain.recipes import Recipe
 from lctrain.trainer.data.batches import Batch, DataSource
+from lctrain.trainer.model.remat import compiler_options
 from lctrain.trainer.outputs.failures import (DoesNotFit, RunFailure, is_out_of_memory,
                                               out_of_device_memory)
 from lctrain.trainer.state.device_checks import DevicePlan, allocator_limit, check_devices, \
@@ -100,7 +101,8 @@ def build_run(recipe: Recipe, devices, console: Console | None = None) -> Compil
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)
     step = make_train_step(recipe, trainable, strategy, mesh)
-    compiled = step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile()
+    compiled = step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile(
+        compiler_options(recipe, mesh.devices.flat[0].platform))
     return CompiledRun(mesh, strategy, trainable, compiled)
 
 

@@ -45,9 +45,10 @@ def check_devices(recipe: Recipe, devices=None, console: Console | None = None,
     if choice and console:
         console.print(choice.sentence, soft_wrap=True, markup=False)
     platform = devices[0].platform
-    note = kernel_note(recipe.attention.impl, platform)
-    if note and console:
-        console.print(f"note: {note}", markup=False, soft_wrap=True)
+    for note in (kernel_note(recipe.attention.impl, platform),
+                 recast_note(recipe.remat.recast_weights, platform)):
+        if note and console:
+            console.print(f"note: {note}", markup=False, soft_wrap=True)
     _check_strategies(recipe, sizes, platform, evaluating)
     check_host_memory(recipe, memory_kinds(devices))
     if not evaluating:  # a forward alone saves nothing for a backward, offloads nothing
@@ -70,6 +71,15 @@ def _check_strategies(recipe: Recipe, sizes: dict[str, int], platform: str,
             if recipe.eval.seq_len is None:
                 raise
             raise RecipeError(str(err).replace("data.seq_len", "eval.seq_len")) from None
+
+
+def recast_note(recast_weights: bool, platform: str) -> str | None:
+    """What remat.recast_weights does off a TPU: nothing (it is an option of XLA's TPU
+    compiler, trainer/model/remat.compiler_options)."""
+    if recast_weights and platform != "tpu":
+        return (f"remat.recast_weights changes nothing on {platform} (it is about XLA's TPU "
+                "compiler)")
+    return None
 
 
 def kernel_note(impl: str, platform: str) -> str | None:
