@@ -86,7 +86,8 @@ GRIDS = {
                 mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 1 * M),)),
     "heldout": Grid((("llama3.1-8b", "v5p:2x2x1", 256 * K), ("llama3.1-8b", "v5p:2x2x1", 1 * M),
                      ("llama3.1-8b", "v5p:4x4x4", 2 * M), ("llama3.1-8b", "v5p:4x4x4", 8 * M)),
-                    mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 512 * K),),
+                    mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 512 * K),
+                                     ("llama3.1-8b", "v5p:2x2x1", 2 * M)),
                     lean_cases=(("llama3.1-8b", "v5p:2x2x1", 128 * K),)),
     # tests/test_planner.py's FULL_GRID (24 programs of a few seconds to minutes each)
     "small": Grid(tuple((model, "v5p:2x2x1", seq) for model in ("tiny512", "mid")
