@@ -77,11 +77,12 @@ def model_fields(folder: str | Path, seq_len: int) -> dict[str, Any]:
 def family_layers(family: str, d_model: int) -> dict[str, Any]:
     """The model keys that say how a family's layers compute (Llama's defaults but for
     Gemma 3's); an export must match them."""
+    llama = dict(norm_offset=0.0, qk_norm=False, post_norms=False, mlp_activation="silu",
+                 embedding_scale=1.0, partial_rotary_factor=1.0, attention_output_gate=False)
     if family == "gemma3":
-        return dict(norm_offset=1.0, qk_norm=True, post_norms=True, mlp_activation="gelu_tanh",
-                    embedding_scale=d_model ** 0.5)
-    return dict(norm_offset=0.0, qk_norm=False, post_norms=False, mlp_activation="silu",
-                embedding_scale=1.0)
+        return {**llama, **dict(norm_offset=1.0, qk_norm=True, post_norms=True,
+                                mlp_activation="gelu_tanh", embedding_scale=d_model ** 0.5)}
+    return llama
 
 
 def _gemma3_fields(config: dict, source: Path) -> dict[str, Any]:

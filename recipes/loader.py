@@ -194,6 +194,10 @@ def validate(recipe: Recipe) -> None:
     for name in ("layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab"):
         require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be positive")
     require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even for RoPE")
+    require(0 < m.partial_rotary_factor <= 1 and m.rotary_dim % 2 == 0,
+            "model.partial_rotary_factor", m.partial_rotary_factor,
+            f"must be in (0, 1] and rotate an even count of model.head_dim's {m.head_dim} "
+            f"features")
     _validate_rope(m)
     _validate_layer_pattern(m)
     require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,

@@ -154,6 +154,12 @@ class ModelConfig:
     query_pre_attn_scalar: int | None = option(
         None, "Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma's name for "
               "it); null: head_dim, the usual 1 / sqrt(head_dim).")
+    partial_rotary_factor: float = option(
+        1.0, "Share of each query and key head RoPE rotates, its first head_dim x this "
+             "features (an even count); the rest pass unrotated (Qwen3-Next: 0.25).")
+    attention_output_gate: bool = option(
+        False, "Multiply attention's output, per head and feature, by sigmoid of a gate "
+               "projection of the layer's input before the output projection (Qwen3-Next).")
     linear_key_heads: int = option(
         16, "linear layers: heads of q and k (Qwen3-Next's linear_num_key_heads).")
     linear_value_heads: int = option(
@@ -174,6 +180,11 @@ class ModelConfig:
               "every layer global. Layers stay scanned: compile time grows with the pattern's "
               "length, not with depth.")
 
+    @property
+    def rotary_dim(self) -> int:
+        """The features of a head RoPE rotates (model.partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def pattern_kinds(self) -> list[str]:
         """One repeat of model.layer_pattern, a kind per layer (global without one)."""
         return [group.kind for group in self.layer_pattern or ()
@@ -186,9 +197,8 @@ class ModelConfig:
 
     def switches_layer_kinds(self) -> bool:
         """Whether the model's layer scan picks each layer's kind with a switch: several
-        attention kinds and no linear layers (trainer/model/layer_scan.scan_layers_by_kind)."""
-        kinds = set(self.layer_kinds())
-        return len(kinds) > 1 and "linear" not in kinds
+        kinds (trainer/model/layer_scan.scan_layers_by_kind)."""
+        return len(set(self.layer_kinds())) > 1
 
     def layer_group(self, kind: str) -> LayerGroupConfig:
         """The settings (window, rope_theta) of `kind`'s layers: its first group's, which

@@ -1,6 +1,7 @@
-"""model.layer_pattern: global and sliding-window layers mixed (scanned one repeat of the
-pattern per step), each kind with its own context-parallel strategy (parallel.strategy:
-{global: ring, sliding: halo}), against per-layer references and the single device."""
+"""model.layer_pattern: global and sliding-window layers mixed (one scan step per layer,
+its kind picked by a switch), each kind with its own context-parallel strategy
+(parallel.strategy: {global: ring, sliding: halo}), against per-layer references and the
+single device."""
 
 import dataclasses
 

@@ -35,8 +35,9 @@ def tiny(*extra: str):
 
 @pytest.mark.parametrize("sets", [
     ["model.preset=llama3.1-8b"], ["model.qkv_bias=true"], ["model.qk_norm=true"],
-    ["model.post_norms=true", "model.tie_embeddings=true"]],
-    ids=["llama3.1-8b", "qwen2_qkv_bias", "qk_norm", "gemma_norms_tied"])
+    ["model.post_norms=true", "model.tie_embeddings=true"],
+    ["model.attention_output_gate=true", "model.partial_rotary_factor=0.25"]],
+    ids=["llama3.1-8b", "qwen2_qkv_bias", "qk_norm", "gemma_norms_tied", "qwen3_next_gate"])
 def test_parameter_count_matches_the_model(sets):
     """The planner's inventory (the one parameter count) against the parameters the model
     itself creates, abstractly; the Qwen2 biases were once left out of the inventory."""

@@ -58,6 +58,8 @@ def parameter_tensors(m: ModelConfig) -> list[Tensor]:
         tensors += [Tensor("bq", (h, d), ("heads", "head_dim"), attention),
                     Tensor("bk", (kv, d), ("kv_heads", "head_dim"), attention),
                     Tensor("bv", (kv, d), ("kv_heads", "head_dim"), attention)]
+    if attention and m.attention_output_gate:  # Qwen3-Next
+        tensors.append(Tensor("wg", (e, h, d), ("embed", "heads", "head_dim"), attention))
     if attention and m.qk_norm:
         tensors += [Tensor(name, (d,), ("head_dim",), attention) for name in ("q_norm", "k_norm")]
     if m.post_norms:

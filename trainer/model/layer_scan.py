@@ -1,12 +1,11 @@
 """How the decoder's stacked layers are applied: `lax.scan` over the layers (one step per
-layer, the step picking its layer's kind with a switch where there are several), over
-whole repeats of a pattern (layers of two parameter stacks), or over groups of layers
-rematerialized whole (remat.layers_per_checkpoint). Each names the layer input it saves
+layer, the step picking its layer's kind with a switch where there are several, from one
+parameter stack or two), or over groups of layers rematerialized whole
+(remat.layers_per_checkpoint). Each names the layer input it saves
 `decoder_layer_input`, where a remat policy can keep or offload it."""
 
 from __future__ import annotations
 
-import collections
 from typing import Callable, Mapping
 
 import jax
@@ -15,35 +14,6 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lctrain.kernels.scopes import layer_share_scope
-
-
-def scan_layers(x: jax.Array, stacks: dict[str, nnx.State],
-                pattern: list[tuple[str, Callable]]) -> jax.Array:
-    """Applies the stacked layers (each stack with a leading 'layers' axis) in order:
-    layer i is pattern[i % len(pattern)] = (stack, fn), fn(x, the stack's next layer's
-    state) -> x. Whole repeats of the pattern are scanned, one per step (the body applies
-    its layers in turn), so compile time grows with the pattern, not with depth; the
-    layers after the last whole repeat (a prefix of the pattern) follow unscanned."""
-    per_repeat = collections.Counter(name for name, _ in pattern)
-    layers = sum(jax.tree.leaves(stacks[name])[0].shape[0] for name in per_repeat)
-    repeats = layers // len(pattern)
-
-    def one_repeat(x, states):
-        taken = collections.Counter()
-        for name, apply in pattern:
-            state = states[name]
-            x = apply(x, state if per_repeat[name] == 1 else _layer(state, taken[name]))
-            taken[name] += 1
-        return x, None
-
-    if repeats:
-        x, _ = jax.lax.scan(one_repeat, x, {name: _repeats(stacks[name], repeats, count)
-                                            for name, count in per_repeat.items()})
-    taken = collections.Counter()
-    for name, apply in pattern[:layers - repeats * len(pattern)]:
-        x = apply(x, _layer(stacks[name], repeats * per_repeat[name] + taken[name]))
-        taken[name] += 1
-    return x
 
 
 def layer_input(x: jax.Array, pieces: int = 1) -> jax.Array:
@@ -67,28 +37,51 @@ def _scoped(fn: Callable, scope: str) -> Callable:
     return scoped
 
 
-def scan_layers_by_kind(x: jax.Array, stacked: nnx.State, kinds: list[str],
-                        fns: Mapping[str, Callable], remat: Callable[[Callable], Callable],
+def scan_layers_by_kind(x: jax.Array, stacks: Mapping[str, nnx.State], kinds: list[str],
+                        fns: Mapping[str, Callable], stack_of: Callable[[str], str],
+                        remat: Callable[[Callable], Callable],
                         name_input: Callable = layer_input) -> jax.Array:
-    """Applies the stacked layers, layer i being fns[kinds[i]](x, its state) -> x, one
-    scan step per layer; with several kinds the step picks its layer's with lax.switch.
+    """Applies the layers, layer i being fns[kinds[i]](x, its state) -> x, one scan step
+    per layer; with several kinds the step picks its layer's with lax.switch. A kind's
+    layers are the stack stacks[stack_of(kind)] (leading 'layers' axis), in order.
 
     Each kind's layer is rematerialized inside its switch branch as well as outside: the
     backward then recomputes a layer inside its own branch, and no residual of one kind
     waits beside the other's (the switch alone, or around attention only, holds both:
     docs/layer-patterns.md). The layer input is named outside the switch, where
-    a remat policy can offload it."""
+    a remat policy can offload it. One stack is scanned over; several (attention and
+    linear layers' parameters differ) are read whole by every step, each branch slicing
+    its layer from its own stack."""
     names = list(fns)
     if len(names) == 1:
         layer = remat(named_input(fns[names[0]], name_input))
-        return jax.lax.scan(lambda x, state: (layer(x, state), None), x, stacked)[0]
-    branches = [_scoped(remat(fns[name]), layer_share_scope(name, kinds.count(name),
-                                                            len(kinds)))
+        return jax.lax.scan(lambda x, state: (layer(x, state), None), x,
+                            stacks[stack_of(names[0])])[0]
+    if len(stacks) == 1:  # the step's layer state comes from the scan: step i, layer i
+        def branch(name):
+            apply = remat(fns[name])
+            return lambda x, state: apply(x, state)
+        whole, per_step = None, stacks[stack_of(names[0])]
+
+        def layer_states(_, state):
+            return state
+    else:
+        # Every step slices a layer from each stack (its own kind's, and a neighbour from
+        # the others) before the switch: sliced inside a branch, each branch's gradient
+        # would be the size of the whole stacks (6.4 GB more at 256K: RESULTS.md).
+        def branch(name):
+            apply = remat(fns[name])
+            return lambda x, states: apply(x, states[stack_of(name)])
+        whole, per_step = dict(stacks), _places_in_stacks([stack_of(kind) for kind in kinds])
+
+        def layer_states(whole, places):
+            return {name: _layer(stack, places[name]) for name, stack in whole.items()}
+    branches = [_scoped(branch(name), layer_share_scope(name, kinds.count(name), len(kinds)))
                 for name in names]
-    layer = remat(lambda x, state, index: jax.lax.switch(index, branches, name_input(x),
-                                                         state))
+    layer = remat(lambda x, whole, step, index: jax.lax.switch(
+        index, branches, name_input(x), layer_states(whole, step)))
     index = jnp.asarray([names.index(kind) for kind in kinds], jnp.int32)
-    return jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, (stacked, index))[0]
+    return jax.lax.scan(lambda x, xs: (layer(x, whole, *xs), None), x, (per_step, index))[0]
 
 
 def scan_layer_groups(x: jax.Array, stacked: nnx.State, fn: Callable,
@@ -125,6 +118,16 @@ def _repeats(stacked: nnx.State, repeats: int, per_repeat: int) -> nnx.State:
     if per_repeat == 1:
         return scanned
     return jax.tree.map(lambda p: p.reshape(repeats, per_repeat, *p.shape[1:]), scanned)
+
+
+def _places_in_stacks(stack_names: list[str]) -> dict[str, jax.Array]:
+    """Per stack, the layer each step reads from it: how many of its layers come before the
+    step (the step's own layer where it is in that stack), at most its last."""
+    places = {name: [] for name in dict.fromkeys(stack_names)}
+    for step in range(len(stack_names)):
+        for stack, taken in places.items():
+            taken.append(min(stack_names[:step].count(stack), stack_names.count(stack) - 1))
+    return {name: jnp.asarray(taken, jnp.int32) for name, taken in places.items()}
 
 
 def _layer(states: nnx.State, i: int) -> nnx.State:

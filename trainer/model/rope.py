@@ -20,7 +20,7 @@ from lctrain.recipes.schema import ModelConfig, RopeScalingConfig
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """Per-pair rotation speeds and the scale of cos/sin, as transformers defines them for
     each model.rope_scaling type. Computed in float64 from the recipe alone (constants)."""
-    half = np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim
+    half = np.arange(0, cfg.rotary_dim, 2, dtype=np.float64) / cfg.rotary_dim
     inv_freq = 1.0 / cfg.rope_theta ** half
     scaling = cfg.rope_scaling
     if scaling.type == "linear":
@@ -28,7 +28,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     if scaling.type == "llama3":
         return _llama3_frequencies(inv_freq, scaling), 1.0
     if scaling.type == "yarn":
-        return _yarn_frequencies(inv_freq, cfg.head_dim, cfg.rope_theta, scaling)
+        return _yarn_frequencies(inv_freq, cfg.rotary_dim, cfg.rope_theta, scaling)
     return inv_freq, 1.0
 
 
@@ -87,8 +87,12 @@ def kind_config(cfg: ModelConfig, kind: str) -> ModelConfig:
 
 
 def apply_rope(x: jax.Array, rotary: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates [b, s, heads, d] by the rotary tables (rotate-half convention)."""
+    """Rotates [b, s, heads, d] by the rotary tables (rotate-half convention) over its
+    first 2 x (the tables' width) features; the others pass (model.partial_rotary_factor)."""
     cos, sin = rotary
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated_dim = 2 * cos.shape[-1]
+    first, second = jnp.split(x[..., :rotated_dim].astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
+    if rotated_dim == x.shape[-1]:
+        return rotated.astype(x.dtype)
+    return jnp.concatenate([rotated.astype(x.dtype), x[..., rotated_dim:]], axis=-1)

@@ -5,10 +5,10 @@ attention scale; each a model key whose default is Llama's).
 
 Every parameter carries `axes`, its logical axis names; `lctrain.parallel.sharding` maps
 them onto the mesh. Layers are stacked on a leading 'layers' axis and applied with
-`lax.scan`, so compile time does not grow with depth; with model.layer_pattern, global
-and sliding-window layers share the stack and each scan step picks its layer's kind with
-a switch, while a pattern with linear layers (Gated DeltaNet, trainer/model/gdn_layer.py, whose
-parameters differ and sit in a stack of their own) is scanned over its whole repeats.
+`lax.scan`, so compile time does not grow with depth; with model.layer_pattern each scan
+step picks its layer's kind with a switch (global and sliding-window layers share the
+stack; linear layers, Gated DeltaNet in trainer/model/gdn_layer.py, have parameters of
+their own and a second stack).
 Attention itself is a callable the caller passes in per layer kind (the context-parallel
 strategy, bound to the kind's window; for linear layers their conv and delta rule), so
 the model knows nothing of the mesh.
@@ -29,8 +29,8 @@ from lctrain.kernels.residuals import CONTEXT
 from lctrain.parallel.token_chunks import GatherWeight, TokenChunks
 from lctrain.recipes.schema import ModelConfig
 from lctrain.trainer.model.gdn_layer import GatedDeltaNet
-from lctrain.trainer.model.layer_scan import (layer_input, scan_layer_groups, scan_layers,
-                                              scan_layers_by_kind, named_input)
+from lctrain.trainer.model.layer_scan import (layer_input, scan_layer_groups,
+                                              scan_layers_by_kind)
 from lctrain.trainer.model.params import param as _param, weight as _weight
 # rope_frequencies and rotary_tables stay importable from here.
 from lctrain.trainer.model.rope import (apply_rope, kind_config, rope_frequencies,  # noqa: F401
@@ -79,6 +79,9 @@ class Attention(nnx.Module):
             self.bv = nnx.Param(jnp.zeros((kv, d), jnp.float32), axes=("kv_heads", "head_dim"))
         else:
             self.bq = self.bk = self.bv = None
+        # Qwen3-Next: sigmoid(x wg) scales each head's output feature by feature.
+        self.wg = (_param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e)
+                   if cfg.attention_output_gate else None)
         self.q_norm = _optional_norm(cfg.qk_norm, d, cfg, ("head_dim",))
         self.k_norm = _optional_norm(cfg.qk_norm, d, cfg, ("head_dim",))
         # The kernels scale scores by 1/sqrt(head_dim); another scale goes into q instead
@@ -101,6 +104,8 @@ class Attention(nnx.Module):
         if self.query_factor is not None:
             q = q * jnp.asarray(self.query_factor, dtype)
         context = checkpoint_name(attend(q, k, v, positions, segment_ids), CONTEXT)
+        if self.wg is not None:
+            context = context * jax.nn.sigmoid(self.project(x, self.wg, None))
         out = jnp.einsum("bshd,hde->bse", context, _weight(self.wo, dtype))
         return checkpoint_name(out, "out_proj")
 
@@ -273,14 +278,9 @@ class Transformer(nnx.Module):
         if layers_per_checkpoint > 1:
             x = scan_layer_groups(x, stacks["layers"][1], layer_fns["global"], remat,
                                   layers_per_checkpoint, name_input)
-        elif "linear" not in attends:
-            x = scan_layers_by_kind(x, stacks["layers"][1], kinds, layer_fns, remat,
-                                    name_input)
-        else:  # two parameter stacks: the scan steps over whole repeats of the pattern
-            period = kinds[:len(self.cfg.pattern_kinds())]  # all of them when fewer layers
-            x = scan_layers(x, {name: state for name, (_, state) in stacks.items()},
-                            [(_stack(kind), remat(named_input(layer_fns[kind], name_input)))
-                             for kind in period])
+        else:
+            x = scan_layers_by_kind(x, {name: state for name, (_, state) in stacks.items()},
+                                    kinds, layer_fns, _stack, remat, name_input)
         return self.final_norm(x)
 
 
