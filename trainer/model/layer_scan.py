@@ -57,25 +57,25 @@ def scan_layers_by_kind(x: jax.Array, stacks: Mapping[str, nnx.State], kinds: li
         layer = remat(named_input(fns[names[0]], name_input))
         return jax.lax.scan(lambda x, state: (layer(x, state), None), x,
                             stacks[stack_of(names[0])])[0]
-    if len(stacks) == 1:  # the step's layer state comes from the scan: step i, layer i
-        def branch(name):
-            apply = remat(fns[name])
-            return lambda x, state: apply(x, state)
-        whole, per_step = None, stacks[stack_of(names[0])]
 
-        def layer_states(_, state):
-            return state
+    def branch(name):
+        apply = remat(fns[name])
+        return lambda x, states: apply(x, states[stack_of(name)])
+
+    if len(stacks) == 1:  # the scan hands each step its layer: step i, layer i
+        whole, per_step = None, dict(stacks)
+
+        def layer_states(_, states):
+            return states
     else:
         # Every step slices a layer from each stack (its own kind's, and a neighbour from
         # the others) before the switch: sliced inside a branch, each branch's gradient
         # would be the size of the whole stacks (6.4 GB more at 256K: RESULTS.md).
-        def branch(name):
-            apply = remat(fns[name])
-            return lambda x, states: apply(x, states[stack_of(name)])
         whole, per_step = dict(stacks), _places_in_stacks([stack_of(kind) for kind in kinds])
 
         def layer_states(whole, places):
             return {name: _layer(stack, places[name]) for name, stack in whole.items()}
+
     branches = [_scoped(branch(name), layer_share_scope(name, kinds.count(name), len(kinds)))
                 for name in names]
     layer = remat(lambda x, whole, step, index: jax.lax.switch(
