@@ -12,12 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .hf_qwen3_next import pattern_groups, qwen3_next_fields
 from .schema import ModelConfig, RecipeError, require
 
 # architectures[0] -> model.family. Mistral is Llama without biases; Qwen2 adds q/k/v biases;
 # Gemma 3 (text only) the layer features of family_layers and sliding/global layers.
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-            "Qwen2ForCausalLM": "qwen2", "Gemma3ForCausalLM": "gemma3"}
+            "Qwen2ForCausalLM": "qwen2", "Gemma3ForCausalLM": "gemma3",
+            "Qwen3NextForCausalLM": "qwen3_next"}
 ARCHITECTURES = {family: name for name, family in FAMILIES.items()}
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type, where not the family
 # Gemma 3's layer_types -> model.layer_pattern kinds.
@@ -71,6 +73,8 @@ def model_fields(folder: str | Path, seq_len: int) -> dict[str, Any]:
     )
     if gemma:
         fields.update(_gemma3_fields(config, source))
+    if family == "qwen3_next":
+        fields.update(qwen3_next_fields(config, source))
     return fields
 
 
@@ -82,6 +86,9 @@ def family_layers(family: str, d_model: int) -> dict[str, Any]:
     if family == "gemma3":
         return {**llama, **dict(norm_offset=1.0, qk_norm=True, post_norms=True,
                                 mlp_activation="gelu_tanh", embedding_scale=d_model ** 0.5)}
+    if family == "qwen3_next":  # its share of RoPE varies: model_fields reads it
+        return {key: value for key, value in llama.items() if key != "partial_rotary_factor"
+                } | dict(norm_offset=1.0, qk_norm=True, attention_output_gate=True)
     return llama
 
 
@@ -122,16 +129,8 @@ def _gemma3_pattern(config: dict, source: Path, local_theta: float) -> list[dict
     if not window:
         raise RecipeError(f"{source}: sliding_window {window!r} with sliding_attention layers; "
                           f"give the window in tokens")
-    period = next(p for p in range(1, len(kinds) + 1)
-                  if all(kind == kinds[i % p] for i, kind in enumerate(kinds)))
-    groups: list[dict] = []
-    for kind in kinds[:period]:
-        if groups and groups[-1]["kind"] == kind:
-            groups[-1]["count"] += 1
-        else:
-            sliding = dict(window=window, rope_theta=local_theta, scale_rope=False)
-            groups.append(dict(kind=kind, count=1, **(sliding if kind == "sliding" else {})))
-    return groups
+    sliding = dict(window=window, rope_theta=local_theta, scale_rope=False)
+    return pattern_groups(kinds, {"sliding": sliding})
 
 
 def _family(config: dict, source: Path) -> str:
@@ -194,6 +193,8 @@ def check_exportable(cfg: ModelConfig) -> None:
     sliding-window layers, outside Gemma 3; on Gemma 3, RoPE scaling on other layers than
     the global ones. Checked before any weight is read; exported anyway, a server would run
     another model."""
+    require(cfg.family != "qwen3_next", "model.family", cfg.family,
+            "lctrain does not export Qwen3-Next models yet (it imports them)")
     if "linear" in cfg.layer_kinds():
         raise RecipeError(
             f"recipe key 'model.layer_pattern' = {[g.kind for g in cfg.layer_pattern]}: "

@@ -114,9 +114,9 @@ class ModelConfig:
     preset: Literal["tiny", "llama3.1-8b", "llama3.1-70b"] = option(
         "tiny", "Architecture preset for model.init=random; the keys below override single "
                 "values of it.")
-    family: Literal["llama", "mistral", "qwen2", "gemma3"] | None = option(
+    family: Literal["llama", "mistral", "qwen2", "gemma3", "qwen3_next"] | None = option(
         None, "Hugging Face architecture written by `lctrain export` (Llama, Mistral, Qwen2, "
-              "Gemma 3 text).")
+              "Gemma 3 text; Qwen3-Next, dense, imports but does not export yet).")
     layers: int | None = option(None, "Decoder layers (scanned, so compile time does not grow).")
     d_model: int | None = option(None, "Hidden width.")
     n_heads: int | None = option(None, "Query heads.")

@@ -73,6 +73,31 @@ def make_gemma3_model(folder: str | Path, *, layer_types: list[str], sliding_win
     return _save_random(transformers.Gemma3ForCausalLM, config, folder, dtype, seed)
 
 
+def make_qwen3_next_model(folder: str | Path, *, layer_types: list[str], hidden: int = 64,
+                          heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                          rotary_factor: float = 0.25, key_heads: int = 2, value_heads: int = 4,
+                          key_head_dim: int = 8, value_head_dim: int = 8, conv_kernel: int = 4,
+                          ffn: int = 160, vocab: int = 256, dtype: str = "float32",
+                          seed: int = 0, init_range: float = 0.1):
+    """A dense Qwen3-Next (Qwen3NextForCausalLM, num_experts 0): `layer_types` of
+    linear_attention / full_attention. Saved into `folder` and returned (PyTorch,
+    float32, eval mode)."""
+    import transformers
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=len(layer_types), layer_types=layer_types,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        linear_key_head_dim=key_head_dim, linear_value_head_dim=value_head_dim,
+        linear_conv_kernel_dim=conv_kernel, num_experts=0, tie_word_embeddings=False,
+        initializer_range=init_range, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        attn_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                         "partial_rotary_factor": rotary_factor})
+    return _save_random(transformers.Qwen3NextForCausalLM, config, folder, dtype, seed)
+
+
 def _save_random(model_class, config, folder, dtype: str, seed: int):
     import torch
 

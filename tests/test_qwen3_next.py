@@ -1,6 +1,10 @@
-"""Qwen3-Next's full-attention layer (model.attention_output_gate, model.partial_rotary_factor,
-q/k norms and norms centred on 0) against transformers' Qwen3NextAttention with the same
-random weights (PyTorch, CPU, f32), and the recipe check of the rotated share."""
+"""Qwen3-Next: its full-attention layer (model.attention_output_gate,
+model.partial_rotary_factor, q/k norms and norms centred on 0) against transformers'
+Qwen3NextAttention with the same random weights, and a dense random Qwen3NextForCausalLM
+(linear and full-attention layers) imported with model.init=hf:<dir>, its logits and loss
+against transformers' (PyTorch, CPU, f32); the one-line refusals."""
+
+import json
 
 import jax
 import numpy as np
@@ -15,9 +19,12 @@ from lctrain.recipes import RecipeError, load_recipe
 from lctrain.trainer.model.rope import rotary_tables
 from lctrain.trainer.model.transformer import Attention
 
+from make_hf_model import make_qwen3_next_model
 from reference import dense_attention
+from test_hf import BATCH, SEQ, assert_close, hf_logits_and_loss, our_loss, recipe_for, tokens
+from test_hf_gemma3 import our_logits
 
-E, H, KV, D, SEQ = 32, 4, 2, 16, 24
+E, H, KV, D, TOKENS = 32, 4, 2, 16, 24
 QWEN3_NEXT_ATTENTION = [f"model.d_model={E}", f"model.n_heads={H}", f"model.n_kv_heads={KV}",
                         f"model.head_dim={D}", "model.qk_norm=true", "model.norm_offset=1.0",
                         "model.norm_eps=1e-6", "model.rope_theta=10000.0",
@@ -65,8 +72,8 @@ def test_attention_matches_transformers(rotary_factor):
     theirs, rotary_embedding = torch_attention(rotary_factor)
     ours = Attention(recipe.model, nnx.Rngs(0))
     copy_weights(ours, theirs)
-    x = np.random.default_rng(1).standard_normal((2, SEQ, E)).astype(np.float32)
-    positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (2, SEQ))
+    x = np.random.default_rng(1).standard_normal((2, TOKENS, E)).astype(np.float32)
+    positions = np.broadcast_to(np.arange(TOKENS, dtype=np.int32), (2, TOKENS))
     with torch.no_grad():
         expected = theirs(torch.from_numpy(x), rotary_embedding(
             torch.from_numpy(x), torch.from_numpy(positions.astype(np.int64))), None)[0].numpy()
@@ -91,3 +98,52 @@ def test_export_refuses_what_a_llama_config_cannot_say(key, value):
     with pytest.raises(RecipeError, match=f"recipe key 'model.{key}' = ") as err:
         check_exportable(recipe.model)
     assert "\n" not in str(err.value)
+
+
+LINEAR, FULL = "linear_attention", "full_attention"
+LAYER_TYPES = [LINEAR, LINEAR, FULL, LINEAR]  # one repeat of 3, and a linear layer after
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_next")
+    return folder, make_qwen3_next_model(folder, layer_types=LAYER_TYPES)
+
+
+def test_config_maps_to_the_model_keys(qwen3_next):
+    folder, _ = qwen3_next
+    model = recipe_for(folder).model
+    assert model.family == "qwen3_next"
+    assert model.layer_kinds() == ["linear", "linear", "global", "linear"]
+    assert (model.partial_rotary_factor, model.attention_output_gate, model.qk_norm,
+            model.norm_offset) == (0.25, True, True, 1.0)
+    assert (model.linear_key_heads, model.linear_value_heads, model.linear_key_head_dim,
+            model.linear_value_head_dim, model.linear_conv_kernel) == (2, 4, 8, 8, 4)
+
+
+def test_logits_and_loss_match_transformers(qwen3_next):
+    folder, model = qwen3_next
+    ids = tokens()
+    reference_logits, reference_loss = hf_logits_and_loss(model, ids)
+    recipe = recipe_for(folder, "model.linear_chunk=8")
+    positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ))
+    ours = our_logits(recipe, ids[:, :SEQ], positions, np.ones((BATCH, SEQ), np.int32))
+    assert_close(ours, reference_logits)
+    assert our_loss(recipe, ids, jax.devices()[:1]) == pytest.approx(reference_loss, rel=1e-4)
+
+
+def test_experts_are_refused_in_one_line(qwen3_next, tmp_path):
+    folder, _ = qwen3_next
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_experts": 8}))
+    with pytest.raises(RecipeError, match="num_experts 8 puts experts in layer 0 .*dense") as err:
+        recipe_for(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_export_refuses_qwen3_next(qwen3_next):
+    from lctrain.recipes.hf_config import check_exportable
+
+    folder, _ = qwen3_next
+    with pytest.raises(RecipeError, match="recipe key 'model.family' = 'qwen3_next'"):
+        check_exportable(recipe_for(folder).model)

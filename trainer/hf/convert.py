@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from lctrain.recipes.schema import ModelConfig, RecipeError
+from lctrain.trainer.hf.fused import qwen3_next_parts
 from lctrain.trainer.hf.safetensors_io import SafetensorsError, SafetensorsFolder
 from lctrain.trainer.outputs.progress import tracked
 
@@ -46,6 +47,14 @@ POST_NORM_TENSORS = {
     ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", "same"),
     ("mlp_post_norm", "scale"): ("post_feedforward_layernorm.weight", "same"),
 }
+# Qwen3-Next's linear layers: Llama's norms and MLP, and the Gated DeltaNet's own tensors
+# (its projections are cut from fused tensors: trainer/hf/fused.py).
+LINEAR_TENSORS = {
+    **{path: LAYER_TENSORS[path] for path in LAYER_TENSORS if path[0] != "attention"},
+    ("attention", "dt_bias"): ("linear_attn.dt_bias", "same"),
+    ("attention", "a_log"): ("linear_attn.A_log", "same"),
+    ("attention", "norm_scale"): ("linear_attn.norm.weight", "same"),
+}
 MODEL_TENSORS = {
     ("embedding",): ("model.embed_tokens.weight", "same"),
     ("final_norm", "scale"): ("model.norm.weight", "same"),
@@ -61,23 +70,35 @@ class HFTensor:
     layer None) the HF tensor and layout it comes from."""
     path: tuple[str, ...]
     hf_name: str          # with {layer} for stacked layers
-    layout: str
+    layout: str           # "part": cut from a fused HF tensor read whole, by `part`
     stacked: bool
+    layer_numbers: tuple[int, ...] = ()  # the HF layer of each layer of our stack
+    part: object = None   # a trainer/hf/fused.py part
 
     def name(self, layer: int | None = None) -> str:
-        return self.hf_name.format(layer=layer)
+        return self.hf_name.format(layer=None if layer is None else self.layer_numbers[layer])
 
 
-def hf_tensors(params: dict) -> list[HFTensor]:
+def hf_tensors(params: dict, cfg: ModelConfig) -> list[HFTensor]:
     """The HF counterpart of every leaf of our parameter dict (real or abstract)."""
     tensors = []
-    layer_tensors = LAYER_TENSORS
+    tables = {"layers": LAYER_TENSORS, "linear_layers": LINEAR_TENSORS}
     if "attention_post_norm" in params["layers"]:
-        layer_tensors = {**LAYER_TENSORS, **POST_NORM_TENSORS}
+        tables["layers"] = {**LAYER_TENSORS, **POST_NORM_TENSORS}
+    parts = qwen3_next_parts(cfg) if cfg.family == "qwen3_next" else {}
+    kinds = cfg.layer_kinds()
     for path, _ in _leaves(params):
-        if path[0] == "layers":
-            name, layout = layer_tensors[path[1:]]
-            tensors.append(HFTensor(path, f"model.layers.{{layer}}.{name}", layout, True))
+        if path[0] in tables:
+            numbers = tuple(i for i, kind in enumerate(kinds)
+                            if (kind == "linear") == (path[0] == "linear_layers"))
+            if path[1:] in parts.get(path[0], {}):
+                name, part = parts[path[0]][path[1:]]
+                tensors.append(HFTensor(path, f"model.layers.{{layer}}.{name}", "part", True,
+                                        numbers, part))
+                continue
+            name, layout = tables[path[0]][path[1:]]
+            tensors.append(HFTensor(path, f"model.layers.{{layer}}.{name}", layout, True,
+                                    numbers))
         else:
             name, layout = MODEL_TENSORS[path]
             tensors.append(HFTensor(path, name, layout, False))
@@ -105,8 +126,11 @@ def to_hf(layout: str, ours: np.ndarray) -> np.ndarray:
     return ours
 
 
-def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return to_hf(layout, np.empty(shape, np.int8)).shape
+def hf_shape(tensor: HFTensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor's shape, for our parameter (one layer's) of `shape`."""
+    if tensor.part is not None:
+        return tensor.part.hf_shape(shape)
+    return to_hf(tensor.layout, np.empty(shape, np.int8)).shape
 
 
 def _hf_index(layout: str, index: tuple[slice, ...], shape: tuple[int, ...],
@@ -151,10 +175,10 @@ def load_params(cfg: ModelConfig, shardings: dict, abstract_params: dict,
         files = SafetensorsFolder(folder)
     except SafetensorsError as err:
         raise RecipeError(str(err)) from None
-    tensors = hf_tensors(abstract_params)
+    tensors = hf_tensors(abstract_params, cfg)
     # A tied model's exports sometimes still carry the output matrix: the embedding's copy.
     ignored = IGNORED_SUFFIXES + (("lm_head.weight",) if cfg.tie_embeddings else ())
-    _check_names_and_shapes(files, tensors, abstract_params, cfg.layers, folder, ignored)
+    _check_names_and_shapes(files, tensors, abstract_params, folder, ignored)
     params: dict = {}
     for tensor in tracked(console, tensors, f"loading {folder}"):
         shape = leaf_at(abstract_params, tensor.path).shape
@@ -172,22 +196,25 @@ def _read_block(files: SafetensorsFolder, tensor: HFTensor, index, shape, head_d
                         files.read(tensor.name(), _hf_index(tensor.layout, index, shape,
                                                             head_dim)), head_dim)
     layers = range(*index[0].indices(shape[0]))
+    if tensor.part is not None:  # the layer's whole fused tensor, cut
+        return np.stack([tensor.part.ours(files.read(tensor.name(i)))[index[1:]]
+                         for i in layers])
     hf_index = _hf_index(tensor.layout, index[1:], shape[1:], head_dim)
     return np.stack([_from_hf(tensor.layout, files.read(tensor.name(i), hf_index), head_dim)
                      for i in layers])
 
 
 def _check_names_and_shapes(files: SafetensorsFolder, tensors: list[HFTensor],
-                            abstract_params: dict, layers: int, folder: str,
+                            abstract_params: dict, folder: str,
                             ignored: tuple[str, ...]) -> None:
     expected = {}
     for tensor in tensors:
         shape = leaf_at(abstract_params, tensor.path).shape
         if tensor.stacked:
-            expected.update({tensor.name(i): hf_shape(tensor.layout, shape[1:])
-                             for i in range(layers)})
+            expected.update({tensor.name(i): hf_shape(tensor, shape[1:])
+                             for i in range(shape[0])})
         else:
-            expected[tensor.name()] = hf_shape(tensor.layout, shape)
+            expected[tensor.name()] = hf_shape(tensor, shape)
     missing = sorted(set(expected) - set(files.entries))
     if missing:
         raise RecipeError(f"{folder}: tensor {missing[0]} is missing ({len(missing)} missing "

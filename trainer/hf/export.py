@@ -58,16 +58,14 @@ def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat1
 
 def _write_hf(recipe: Recipe, params: dict, folder: Path, dtype: str, max_shard_bytes: int,
               console, write: bool, label: str = "") -> None:
-    layers = recipe.model.layers
     located: dict[str, tuple[HFTensor, int | None]] = {}
     shapes = []
-    for tensor in hf_tensors(params):
+    for tensor in hf_tensors(params, recipe.model):
         leaf = leaf_at(params, tensor.path)
-        for layer in (range(layers) if tensor.stacked else [None]):
+        for layer in (range(leaf.shape[0]) if tensor.stacked else [None]):
             located[tensor.name(layer)] = (tensor, layer)
             shapes.append((tensor.name(layer),
-                           hf_shape(tensor.layout, leaf.shape[1:] if tensor.stacked
-                                    else leaf.shape)))
+                           hf_shape(tensor, leaf.shape[1:] if tensor.stacked else leaf.shape)))
 
     def values(name: str) -> np.ndarray:
         tensor, layer = located[name]
