@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .hf_qwen3_next import pattern_groups, qwen3_next_fields
+from .hf_qwen3_next import pattern_groups, qwen3_next_fields, qwen3_next_json
 from .schema import ModelConfig, RecipeError, require
 
 # architectures[0] -> model.family. Mistral is Llama without biases; Qwen2 adds q/k/v biases;
@@ -190,16 +190,9 @@ def _rope(config: dict, source: Path) -> tuple[float, dict[str, Any]]:
 def check_exportable(cfg: ModelConfig) -> None:
     """RecipeError for a model whose layers its family's config.json cannot describe: layer
     features other than the family's (family_layers), another attention scale, or
-    sliding-window layers, outside Gemma 3; on Gemma 3, RoPE scaling on other layers than
-    the global ones. Checked before any weight is read; exported anyway, a server would run
+    sliding-window layers, outside Gemma 3; linear layers outside Qwen3-Next; on Gemma 3,
+    RoPE scaling on other layers than the global ones. Checked before any weight is read; exported anyway, a server would run
     another model."""
-    require(cfg.family != "qwen3_next", "model.family", cfg.family,
-            "lctrain does not export Qwen3-Next models yet (it imports them)")
-    if "linear" in cfg.layer_kinds():
-        raise RecipeError(
-            f"recipe key 'model.layer_pattern' = {[g.kind for g in cfg.layer_pattern]}: "
-            f"lctrain exports no linear (Gated DeltaNet) layers yet; export a model whose "
-            f"layers are global or sliding-window attention")
     for key, value in family_layers(cfg.family, cfg.d_model).items():
         require(getattr(cfg, key) == value, f"model.{key}", getattr(cfg, key),
                 f"a {cfg.family} config.json has {value!r} there; lctrain exports only what "
@@ -210,12 +203,19 @@ def check_exportable(cfg: ModelConfig) -> None:
     require(cfg.query_pre_attn_scalar in (None, cfg.head_dim), "model.query_pre_attn_scalar",
             cfg.query_pre_attn_scalar, f"a {cfg.family} config.json scales attention by "
             f"1/sqrt(head_dim); set it to null")
-    if cfg.layer_pattern is not None and set(cfg.layer_kinds()) != {"global"}:
+    kinds = set(cfg.layer_kinds())
+    if "sliding" in kinds:
         raise RecipeError(
             f"recipe key 'model.layer_pattern' = {[g.kind for g in cfg.layer_pattern]}: "
             f"sliding-window layers have no place in a {cfg.family} config.json (its "
             f"layers all attend globally); lctrain exports models whose layers are all "
             f"global")
+    if "linear" in kinds and cfg.family != "qwen3_next":
+        raise RecipeError(
+            f"recipe key 'model.layer_pattern' = {[g.kind for g in cfg.layer_pattern]}: "
+            f"a {cfg.family} config.json has no linear (Gated DeltaNet) layers; use "
+            f"model.family qwen3_next with its layers (norm_offset 1, qk_norm, "
+            f"attention_output_gate) or export a model whose layers are all global")
 
 
 def _check_gemma3_rope(cfg: ModelConfig) -> None:
@@ -257,7 +257,8 @@ def config_json(cfg: ModelConfig, seq_len: int, dtype: str,
         "torch_dtype": dtype,
         **(special_tokens or {}),
     }
-    config.update(_gemma3_json(cfg) if cfg.family == "gemma3" else {"hidden_act": "silu"})
+    config.update(_gemma3_json(cfg) if cfg.family == "gemma3" else
+                  qwen3_next_json(cfg) if cfg.family == "qwen3_next" else {"hidden_act": "silu"})
     if cfg.family == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     if cfg.family in ("mistral", "qwen2"):

@@ -1,18 +1,19 @@
 """A Qwen3-Next config.json (`Qwen3NextForCausalLM`) read as model keys: its full-attention
 layers gated, with q/k norms and norms centred on 0 (hf_config.family_layers), RoPE on a
 share of each head (partial_rotary_factor), and Gated DeltaNet layers (`kind: linear`)
-in the order of layer_types. lctrain builds its MLPs dense: a config whose layers have
-experts (num_experts, every decoder_sparse_step-th layer not in mlp_only_layers) is
-refused. Pure Python, as hf_config."""
+in the order of layer_types; and written back (qwen3_next_json). lctrain builds its MLPs
+dense: a config whose layers have experts (num_experts, every decoder_sparse_step-th
+layer not in mlp_only_layers) is refused. Pure Python, as hf_config."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from .schema import RecipeError
+from .schema import ModelConfig, RecipeError
 
 QWEN3_NEXT_KINDS = {"linear_attention": "linear", "full_attention": "global"}
+QWEN3_NEXT_TYPES = {kind: name for name, kind in QWEN3_NEXT_KINDS.items()}
 
 
 def qwen3_next_fields(config: dict, source: Path) -> dict[str, Any]:
@@ -23,8 +24,9 @@ def qwen3_next_fields(config: dict, source: Path) -> dict[str, Any]:
     rope = config.get("rope_parameters") or {}
     kinds = _kinds(config, source)
     return dict(
-        partial_rotary_factor=float(config.get("partial_rotary_factor",
-                                               rope.get("partial_rotary_factor", 1.0))),
+        # transformers' default when the config gives none is 0.25.
+        partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                             config.get("partial_rotary_factor", 0.25))),
         linear_key_heads=config["linear_num_key_heads"],
         linear_value_heads=config["linear_num_value_heads"],
         linear_key_head_dim=config["linear_key_head_dim"],
@@ -70,3 +72,17 @@ def _check_dense(config: dict, source: Path) -> None:
                           f"({len(sparse)} layers in all); lctrain's Qwen3-Next MLPs are "
                           f"dense: import a model with num_experts 0 or every layer in "
                           f"mlp_only_layers")
+
+
+def qwen3_next_json(cfg: ModelConfig) -> dict[str, Any]:
+    """The keys a Qwen3-Next config.json adds to Llama's: its layers in order, the Gated
+    DeltaNet sizes, the share of RoPE, and dense MLPs (no experts)."""
+    return {"hidden_act": "silu", "attention_bias": False,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+            "layer_types": [QWEN3_NEXT_TYPES[kind] for kind in cfg.layer_kinds()],
+            "linear_num_key_heads": cfg.linear_key_heads,
+            "linear_num_value_heads": cfg.linear_value_heads,
+            "linear_key_head_dim": cfg.linear_key_head_dim,
+            "linear_value_head_dim": cfg.linear_value_head_dim,
+            "linear_conv_kernel_dim": cfg.linear_conv_kernel,
+            "num_experts": 0, "mlp_only_layers": [], "decoder_sparse_step": 1}

@@ -116,7 +116,7 @@ class ModelConfig:
                 "values of it.")
     family: Literal["llama", "mistral", "qwen2", "gemma3", "qwen3_next"] | None = option(
         None, "Hugging Face architecture written by `lctrain export` (Llama, Mistral, Qwen2, "
-              "Gemma 3 text; Qwen3-Next, dense, imports but does not export yet).")
+              "Gemma 3 text, Qwen3-Next with dense MLPs).")
     layers: int | None = option(None, "Decoder layers (scanned, so compile time does not grow).")
     d_model: int | None = option(None, "Hidden width.")
     n_heads: int | None = option(None, "Query heads.")

@@ -104,14 +104,20 @@ def test_packed_documents_match_each_document_alone(gemma3):
         assert_close(ours[:, start:stop], alone.numpy())
 
 
-def test_export_reloads_in_transformers_with_the_same_logits(gemma3, tmp_path):
-    folder, model = gemma3
+def exported_and_reloaded(folder, out):
+    """The model imported from `folder`, exported in f32 to `out`: (its config.json, the
+    export as transformers loads it)."""
     recipe = recipe_for(folder)
     _, _, params = loaded(recipe, jax.devices()[:1])
-    export_hf(recipe, params, tmp_path, "float32")
-    config = json.loads((tmp_path / "config.json").read_text())
+    export_hf(recipe, params, out, "float32")
+    return (json.loads((out / "config.json").read_text()),
+            AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval())
+
+
+def test_export_reloads_in_transformers_with_the_same_logits(gemma3, tmp_path):
+    folder, model = gemma3
+    config, reloaded = exported_and_reloaded(folder, tmp_path)
     assert config["model_type"] == "gemma3_text" and config["layer_types"] == LAYER_TYPES
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert reloaded.config.rope_parameters["full_attention"]["rope_type"] == "linear"
     assert reloaded.config.rope_parameters["sliding_attention"]["rope_type"] == "default"
     ids = tokens(4)

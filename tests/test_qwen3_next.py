@@ -2,7 +2,7 @@
 model.partial_rotary_factor, q/k norms and norms centred on 0) against transformers'
 Qwen3NextAttention with the same random weights, and a dense random Qwen3NextForCausalLM
 (linear and full-attention layers) imported with model.init=hf:<dir>, its logits and loss
-against transformers' (PyTorch, CPU, f32); the one-line refusals."""
+against transformers' (PyTorch, CPU, f32), and exported back; the one-line refusals."""
 
 import json
 
@@ -22,7 +22,7 @@ from lctrain.trainer.model.transformer import Attention
 from make_hf_model import make_qwen3_next_model
 from reference import dense_attention
 from test_hf import BATCH, SEQ, assert_close, hf_logits_and_loss, our_loss, recipe_for, tokens
-from test_hf_gemma3 import our_logits
+from test_hf_gemma3 import exported_and_reloaded, our_logits
 
 E, H, KV, D, TOKENS = 32, 4, 2, 16, 24
 QWEN3_NEXT_ATTENTION = [f"model.d_model={E}", f"model.n_heads={H}", f"model.n_kv_heads={KV}",
@@ -107,7 +107,8 @@ LAYER_TYPES = [LINEAR, LINEAR, FULL, LINEAR]  # one repeat of 3, and a linear la
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_next")
-    return folder, make_qwen3_next_model(folder, layer_types=LAYER_TYPES)
+    # Not transformers' default share of RoPE (0.25), so a key left unread would show.
+    return folder, make_qwen3_next_model(folder, layer_types=LAYER_TYPES, rotary_factor=0.5)
 
 
 def test_config_maps_to_the_model_keys(qwen3_next):
@@ -116,7 +117,7 @@ def test_config_maps_to_the_model_keys(qwen3_next):
     assert model.family == "qwen3_next"
     assert model.layer_kinds() == ["linear", "linear", "global", "linear"]
     assert (model.partial_rotary_factor, model.attention_output_gate, model.qk_norm,
-            model.norm_offset) == (0.25, True, True, 1.0)
+            model.norm_offset) == (0.5, True, True, 1.0)
     assert (model.linear_key_heads, model.linear_value_heads, model.linear_key_head_dim,
             model.linear_value_head_dim, model.linear_conv_kernel) == (2, 4, 8, 8, 4)
 
@@ -141,9 +142,12 @@ def test_experts_are_refused_in_one_line(qwen3_next, tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_export_refuses_qwen3_next(qwen3_next):
-    from lctrain.recipes.hf_config import check_exportable
-
-    folder, _ = qwen3_next
-    with pytest.raises(RecipeError, match="recipe key 'model.family' = 'qwen3_next'"):
-        check_exportable(recipe_for(folder).model)
+def test_export_reloads_in_transformers_with_the_same_logits(qwen3_next, tmp_path):
+    """The fused tensors put back together: the reloaded model's logits are the original's,
+    and the rotated share of each head is still 0.5."""
+    folder, model = qwen3_next
+    config, reloaded = exported_and_reloaded(folder, tmp_path)
+    assert config["model_type"] == "qwen3_next" and config["layer_types"] == LAYER_TYPES
+    assert reloaded.config.rope_parameters["partial_rotary_factor"] == 0.5
+    ids = tokens(4)
+    assert_close(hf_logits_and_loss(reloaded, ids)[0], hf_logits_and_loss(model, ids)[0])

@@ -20,6 +20,7 @@ from lctrain.recipes.hf_config import check_exportable, config_json
 from lctrain.recipes.schema import Recipe
 from lctrain.trainer.data.tokenizer import DocumentTokenizer, data_tokenizer
 from lctrain.trainer.hf.convert import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
+from lctrain.trainer.hf.fused import fused_tensor
 from lctrain.trainer.hf.safetensors_io import write_folder
 from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.outputs.files import replaced
@@ -58,23 +59,31 @@ def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat1
 
 def _write_hf(recipe: Recipe, params: dict, folder: Path, dtype: str, max_shard_bytes: int,
               console, write: bool, label: str = "") -> None:
-    located: dict[str, tuple[HFTensor, int | None]] = {}
-    shapes = []
+    # HF name -> the parameters (and layer) it is made of: several for a fused tensor.
+    located: dict[str, list[tuple[HFTensor, int | None]]] = {}
+    shapes = {}
     for tensor in hf_tensors(params, recipe.model):
         leaf = leaf_at(params, tensor.path)
         for layer in (range(leaf.shape[0]) if tensor.stacked else [None]):
-            located[tensor.name(layer)] = (tensor, layer)
-            shapes.append((tensor.name(layer),
-                           hf_shape(tensor, leaf.shape[1:] if tensor.stacked else leaf.shape)))
+            located.setdefault(tensor.name(layer), []).append((tensor, layer))
+            shapes[tensor.name(layer)] = hf_shape(tensor, leaf.shape[1:] if tensor.stacked
+                                                  else leaf.shape)
+
+    def ours(tensor: HFTensor, layer: int | None) -> np.ndarray:
+        leaf = leaf_at(params, tensor.path)
+        return _on_host(leaf if layer is None else leaf[layer])
 
     def values(name: str) -> np.ndarray:
-        tensor, layer = located[name]
-        leaf = leaf_at(params, tensor.path)
         bar.advance()
-        return to_hf(tensor.layout, _on_host(leaf if layer is None else leaf[layer]))
+        (tensor, layer), *_ = located[name]
+        if tensor.part is None:
+            return to_hf(tensor.layout, ours(tensor, layer))
+        return fused_tensor(shapes[name], [(tensor.part, ours(tensor, layer))
+                                           for tensor, layer in located[name]])
 
     with Bar(console, label, len(shapes)) as bar:
-        write_folder(folder, shapes, DTYPES[dtype], values, max_shard_bytes, write=write)
+        write_folder(folder, list(shapes.items()), DTYPES[dtype], values, max_shard_bytes,
+                     write=write)
     if not write:
         return
     tokenizer = data_tokenizer(recipe.data)

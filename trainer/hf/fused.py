@@ -1,4 +1,5 @@
-"""Qwen3-Next's fused Hugging Face tensors, each read whole and cut into our parameters.
+"""Qwen3-Next's fused Hugging Face tensors, each read whole and cut into our parameters,
+and put back together for export.
 
 transformers keeps, per layer: q_proj with each head's query then its output gate;
 in_proj_qkvz with, per key head, its q, k, then its value heads' v and z; in_proj_ba with,
@@ -35,6 +36,12 @@ class FusedRows:
         heads = rows.reshape(self.groups * self.heads, self.head_rows or 1, -1)
         return heads.transpose(2, 0, 1) if self.head_rows else heads[:, 0].T
 
+    def fill(self, hf: np.ndarray, ours: np.ndarray) -> None:
+        heads = ours.transpose(1, 2, 0) if self.head_rows else ours.T[:, None]
+        width = self.heads * (self.head_rows or 1)
+        hf.reshape(self.groups, self.group_rows, -1)[:, self.offset:self.offset + width] = (
+            heads.reshape(self.groups, width, -1))
+
 
 @dataclass(frozen=True)
 class ConvChannels:
@@ -52,6 +59,10 @@ class ConvChannels:
         taps = hf[self.offset:self.offset + self.heads * self.head_dim, 0, :].T
         return taps.reshape(taps.shape[0], self.heads, self.head_dim)
 
+    def fill(self, hf: np.ndarray, ours: np.ndarray) -> None:
+        hf[self.offset:self.offset + self.heads * self.head_dim, 0, :] = (
+            ours.reshape(ours.shape[0], -1).T)
+
 
 @dataclass(frozen=True)
 class OutHeads:
@@ -64,6 +75,17 @@ class OutHeads:
 
     def ours(self, hf: np.ndarray) -> np.ndarray:
         return hf.T.reshape(self.heads, self.head_dim, -1)
+
+    def fill(self, hf: np.ndarray, ours: np.ndarray) -> None:
+        hf[...] = ours.reshape(self.heads * self.head_dim, -1).T
+
+
+def fused_tensor(shape: tuple[int, ...], pieces: list[tuple[object, np.ndarray]]) -> np.ndarray:
+    """The HF tensor of `shape` put together from (part, our layer's parameter) pieces."""
+    hf = np.zeros(shape, np.float32)
+    for part, ours in pieces:
+        part.fill(hf, ours)
+    return hf
 
 
 def qwen3_next_parts(cfg: ModelConfig) -> dict[str, dict[tuple[str, ...], tuple[str, object]]]:
