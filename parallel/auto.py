@@ -165,9 +165,15 @@ def first_that_fits(candidates: list[tuple[Strategy, int]],
     return needs
 
 
+def compiler_failed(need: CompiledNeed) -> bool:
+    """Whether XLA refused the candidate for another reason than memory (a candidate that
+    compiled, over the limit or not, has no refusal)."""
+    return (need.refused or "").startswith(COMPILER_FAILED)
+
+
 def shortfall(need: CompiledNeed, limit: int | None) -> str:
     """'ring needs 97.2 GB of 95.7 GB per device' (or XLA's words when it gave no figure)."""
-    if (need.refused or "").startswith(COMPILER_FAILED):
+    if compiler_failed(need):
         return f"{need.name}: {need.refused}"
     if not need.hbm_bytes:
         return f"{need.name} does not fit: {need.refused}"

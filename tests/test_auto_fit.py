@@ -97,6 +97,17 @@ def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compil
             f"(of {gigabytes(limit)}) in ") in printed
 
 
+def test_when_every_compiled_step_is_over_the_limit_the_run_says_so():
+    """Compiled, but over the limit (no refusal from XLA): out of device memory, naming the
+    smallest need (this once raised AttributeError on the TPU: benchmarks/step.py)."""
+    recipe = load_recipe("tiny", SMALL)
+    with pytest.raises(DoesNotFit) as err:
+        build.compile_run(recipe, jax.devices()[:2], recorded(), memory_limit=1)
+    message, code = explain(err.value)
+    assert code == 1 and message.startswith("out of device memory: ")
+    assert " needs " in message and "(the least of all_gather, ulysses, ring)" in message
+
+
 def test_each_candidate_compiles_once_until_one_fits():
     tried, lines = [], []
 

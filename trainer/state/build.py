@@ -17,7 +17,7 @@ from rich.console import Console
 
 from lctrain.parallel import LayerStrategies, build_mesh, make_strategy
 from lctrain.parallel.aot import memory_stats
-from lctrain.parallel.auto import (COMPILER_FAILED, CompiledNeed, compiler_failure,
+from lctrain.parallel.auto import (CompiledNeed, compiler_failed, compiler_failure,
                                    first_that_fits, none_fits, refused_need,
                                    shortfall, strategy_name)
 from lctrain.recipes import Recipe
@@ -86,7 +86,7 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
     found = first_that_fits(candidates, compile_candidate, memory_limit, report.append)
     if isinstance(found, list):
         print_lines(console, report)
-        if all(need.refused.startswith(COMPILER_FAILED) for need in found):
+        if all(map(compiler_failed, found)):
             raise RunFailure(f"{shortfall(found[0], None)} (docs/failures.md); name another "
                              f"parallel.strategy, or another data.seq_len")
         raise DoesNotFit(out_of_device_memory(none_fits(found, memory_limit)))
