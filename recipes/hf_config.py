@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .hf_qwen3_next import pattern_groups, qwen3_next_fields, qwen3_next_json
+from .hf_layers import layer_kinds_from, pattern_groups
+from .hf_qwen3_next import qwen3_next_fields, qwen3_next_json
 from .schema import ModelConfig, RecipeError, require
 
 # architectures[0] -> model.family. Mistral is Llama without biases; Qwen2 adds q/k/v biases;
@@ -114,15 +115,8 @@ def _gemma3_fields(config: dict, source: Path) -> dict[str, Any]:
 def _gemma3_pattern(config: dict, source: Path, local_theta: float) -> list[dict] | None:
     """model.layer_pattern from layer_types (older configs: every sliding_window_pattern-th
     layer global): its shortest repeat, as groups of consecutive layers of one kind."""
-    layers = config["num_hidden_layers"]
-    every = config.get("sliding_window_pattern", 6)
-    types = config.get("layer_types") or [
-        "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
-    unknown = [name for name in types if name not in GEMMA3_KINDS]
-    if unknown:
-        raise RecipeError(f"{source}: layer_types entry {unknown[0]!r} is not supported; "
-                          f"lctrain's layers are {' or '.join(GEMMA3_KINDS)}")
-    kinds = [GEMMA3_KINDS[name] for name in types]
+    kinds = layer_kinds_from(config, source, GEMMA3_KINDS, "sliding_window_pattern", 6,
+                             "lctrain's layers")
     if "sliding" not in kinds:
         return None
     window = config.get("sliding_window")

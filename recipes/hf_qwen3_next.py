@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .hf_layers import layer_kinds_from, pattern_groups
 from .schema import ModelConfig, RecipeError
 
 QWEN3_NEXT_KINDS = {"linear_attention": "linear", "full_attention": "global"}
@@ -22,7 +23,8 @@ def qwen3_next_fields(config: dict, source: Path) -> dict[str, Any]:
         raise RecipeError(f"{source}: attention_bias true is not supported; lctrain's "
                           f"Qwen3-Next attention has no biases")
     rope = config.get("rope_parameters") or {}
-    kinds = _kinds(config, source)
+    kinds = layer_kinds_from(config, source, QWEN3_NEXT_KINDS, "full_attention_interval", 4,
+                             "lctrain's Qwen3-Next layers")
     return dict(
         # transformers' default when the config gives none is 0.25.
         partial_rotary_factor=float(rope.get("partial_rotary_factor",
@@ -33,32 +35,6 @@ def qwen3_next_fields(config: dict, source: Path) -> dict[str, Any]:
         linear_value_head_dim=config["linear_value_head_dim"],
         linear_conv_kernel=config["linear_conv_kernel_dim"],
         layer_pattern=None if set(kinds) == {"global"} else pattern_groups(kinds))
-
-
-def pattern_groups(kinds: list[str], extra: dict[str, dict] | None = None) -> list[dict]:
-    """model.layer_pattern for the layers' kinds: their shortest repeat, as groups of
-    consecutive layers of one kind (with `extra` keys per kind)."""
-    period = next(p for p in range(1, len(kinds) + 1)
-                  if all(kind == kinds[i % p] for i, kind in enumerate(kinds)))
-    groups: list[dict] = []
-    for kind in kinds[:period]:
-        if groups and groups[-1]["kind"] == kind:
-            groups[-1]["count"] += 1
-        else:
-            groups.append(dict(kind=kind, count=1, **(extra or {}).get(kind, {})))
-    return groups
-
-
-def _kinds(config: dict, source: Path) -> list[str]:
-    layers = config["num_hidden_layers"]
-    every = config.get("full_attention_interval", 4)
-    types = config.get("layer_types") or [
-        "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
-    unknown = [name for name in types if name not in QWEN3_NEXT_KINDS]
-    if unknown:
-        raise RecipeError(f"{source}: layer_types entry {unknown[0]!r} is not supported; "
-                          f"lctrain's Qwen3-Next layers are {' or '.join(QWEN3_NEXT_KINDS)}")
-    return [QWEN3_NEXT_KINDS[name] for name in types]
 
 
 def _check_dense(config: dict, source: Path) -> None:

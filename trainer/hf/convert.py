@@ -87,18 +87,17 @@ def hf_tensors(params: dict, cfg: ModelConfig) -> list[HFTensor]:
         tables["layers"] = {**LAYER_TENSORS, **POST_NORM_TENSORS}
     parts = qwen3_next_parts(cfg) if cfg.family == "qwen3_next" else {}
     kinds = cfg.layer_kinds()
+    numbers = {stack: tuple(i for i, kind in enumerate(kinds)
+                            if (kind == "linear") == (stack == "linear_layers"))
+               for stack in tables}
     for path, _ in _leaves(params):
         if path[0] in tables:
-            numbers = tuple(i for i, kind in enumerate(kinds)
-                            if (kind == "linear") == (path[0] == "linear_layers"))
             if path[1:] in parts.get(path[0], {}):
-                name, part = parts[path[0]][path[1:]]
-                tensors.append(HFTensor(path, f"model.layers.{{layer}}.{name}", "part", True,
-                                        numbers, part))
-                continue
-            name, layout = tables[path[0]][path[1:]]
+                (name, part), layout = parts[path[0]][path[1:]], "part"
+            else:
+                (name, layout), part = tables[path[0]][path[1:]], None
             tensors.append(HFTensor(path, f"model.layers.{{layer}}.{name}", layout, True,
-                                    numbers))
+                                    numbers[path[0]], part))
         else:
             name, layout = MODEL_TENSORS[path]
             tensors.append(HFTensor(path, name, layout, False))
