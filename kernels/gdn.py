@@ -53,11 +53,17 @@ PRECISION = jax.lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6
 
 
-def gated_delta_rule(q, k, v, g, beta, *, chunk=64, initial_state=None):
+def gated_delta_rule(q, k, v, g, beta, *, chunk=64, initial_state=None, out_dtype=None):
     """q, k [b, s, h_k, d_k]; v [b, s, h_v, d_v]; g (log decay, <= 0; -inf: reset) and
-    beta [b, s, h_v]; initial_state [b, h_v, d_k, d_v] (None: zeros) -> (out [b, s, h_v,
-    d_v] in v's dtype, final state [b, h_v, d_k, d_v] f32). Any length: the last chunk is
-    padded with tokens that leave the state alone (g = 0, beta = 0)."""
+    beta [b, s, h_v]; initial_state [b, h_v, d_k, d_s] (None: zeros, d_s = d_v) -> (out
+    [b, s, h_v, d_s] in out_dtype (None: v's), final state [b, h_v, d_k, d_s] f32). Any
+    length: the last chunk is padded with tokens that leave the state alone (g = 0, beta
+    = 0).
+
+    A state wider than the values (d_s > d_v) reads them as zeros in its first d_s - d_v
+    columns: those columns only carry the initial state's (state passing's affine maps,
+    parallel/state_passing.py). The widening happens one chunk at a time, so neither the
+    widened values nor their gradient exist for the whole sequence."""
     b, _, h_k, d_k = k.shape
     h_v, d_v = v.shape[2:]
     if h_v % h_k:
@@ -65,8 +71,11 @@ def gated_delta_rule(q, k, v, g, beta, *, chunk=64, initial_state=None):
                          f"{h_k} key heads")
     if initial_state is None:
         initial_state = jnp.zeros((b, h_v, d_k, d_v), jnp.float32)
+    if initial_state.shape[-1] < d_v:
+        raise ValueError(f"gated delta rule: a state of {initial_state.shape[-1]} columns "
+                         f"is narrower than the {d_v} value features")
     out, final = _chunked(q, k, v, g, beta, initial_state.astype(jnp.float32), chunk)
-    return out.astype(v.dtype), final
+    return out.astype(out_dtype or v.dtype), final
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None):
@@ -112,11 +121,14 @@ def _einsum(spec, *operands):
     return jnp.einsum(spec, *operands, precision=PRECISION)
 
 
-def _heads_f32(q, k, v, g, beta):
-    """f32 inputs, q and k normalised (q also scaled) and repeated up to v's heads."""
+def _heads_f32(q, k, v, g, beta, width=None):
+    """f32 inputs, q and k normalised (q also scaled) and repeated up to v's heads, v
+    zero-widened in front to `width` features (None: as it is)."""
     q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
     repeat = v.shape[2] // k.shape[2]
     q = jnp.repeat(l2normalized(q) * q.shape[-1] ** -0.5, repeat, axis=2)
+    if width is not None:
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(width - v.shape[-1], 0)])
     return q, jnp.repeat(l2normalized(k), repeat, axis=2), v, g, beta
 
 
@@ -145,10 +157,11 @@ def _from_segments(x, length):
                                          *x.shape[4:])[:, :length]
 
 
-def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
-    """ChunkTerms of one chunk of the kernel's inputs ([b, C, heads, ...], as given):
-    only a chunk at a time is ever in f32 with its key heads repeated."""
-    q, k, v, g, beta = (jnp.moveaxis(x, 1, 2) for x in _heads_f32(q, k, v, g, beta))
+def _chunk_terms(q, k, v, g, beta, width) -> ChunkTerms:
+    """ChunkTerms of one chunk of the kernel's inputs ([b, C, heads, ...], as given) for
+    a state of `width` columns: only a chunk at a time is ever in f32 with its key heads
+    repeated and its values widened."""
+    q, k, v, g, beta = (jnp.moveaxis(x, 1, 2) for x in _heads_f32(q, k, v, g, beta, width))
     chunk = g.shape[-1]
     starts = jnp.isneginf(g)
     cum = jnp.cumsum(jnp.where(starts, 0.0, g), axis=-1)
@@ -185,7 +198,7 @@ def _chunk_step(state, terms: ChunkTerms):
 
 def _scan_step(state, chunk_inputs):
     """(end state, (out [b, C, h, d_v], start state)) of one chunk."""
-    end, out = _chunk_step(state, _chunk_terms(*chunk_inputs))
+    end, out = _chunk_step(state, _chunk_terms(*chunk_inputs, width=state.shape[-1]))
     return end, (jnp.moveaxis(out, 1, 2), state)
 
 
@@ -221,7 +234,8 @@ def _chunked_bwd(chunk, residuals, cotangents):
 
     def backward_step(d_state, per_chunk):
         state, chunk_inputs, d_chunk_out = per_chunk
-        terms, terms_vjp = jax.vjp(_chunk_terms, *chunk_inputs)
+        terms, terms_vjp = jax.vjp(functools.partial(_chunk_terms, width=state.shape[-1]),
+                                   *chunk_inputs)
         _, step_vjp = jax.vjp(_chunk_step, state, terms)
         d_state, d_terms = step_vjp((d_state, jnp.moveaxis(d_chunk_out, 1, 2)))
         return d_state, terms_vjp(d_terms)

@@ -139,10 +139,8 @@ def local_delta_rule(q, k, v, g, beta, positions, runs, chunk):
     q, k, v, g, beta = (runs_as_rows(x, runs) for x in (q, k, v, g, beta))
     d_k, d_v = k.shape[-1], v.shape[-1]
     rows, _, heads, _ = v.shape
-    widened_values = jnp.concatenate(
-        [jnp.zeros((*v.shape[:-1], d_k), jnp.float32), v.astype(jnp.float32)], axis=-1)
     identity = jnp.concatenate([jnp.eye(d_k), jnp.zeros((d_k, d_v))], axis=-1)
-    out, maps = gated_delta_rule(q, k, widened_values, g, beta, chunk=chunk,
+    out, maps = gated_delta_rule(q, k, v, g, beta, chunk=chunk, out_dtype=jnp.float32,
                                  initial_state=jnp.broadcast_to(identity, (rows, heads,
                                                                            *identity.shape)))
     starts = _run_starts(maps, runs)
