@@ -53,29 +53,37 @@ PRECISION = jax.lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6
 
 
-def gated_delta_rule(q, k, v, g, beta, *, chunk=64, initial_state=None, out_dtype=None):
+def gated_delta_rule(q, k, v, g, beta, *, chunk=64, initial_state=None):
     """q, k [b, s, h_k, d_k]; v [b, s, h_v, d_v]; g (log decay, <= 0; -inf: reset) and
-    beta [b, s, h_v]; initial_state [b, h_v, d_k, d_s] (None: zeros, d_s = d_v) -> (out
-    [b, s, h_v, d_s] in out_dtype (None: v's), final state [b, h_v, d_k, d_s] f32). Any
-    length: the last chunk is padded with tokens that leave the state alone (g = 0, beta
-    = 0).
+    beta [b, s, h_v]; initial_state [b, h_v, d_k, d_v] (None: zeros) -> (out [b, s, h_v,
+    d_v] in v's dtype, final state [b, h_v, d_k, d_v] f32). Any length: the last chunk is
+    padded with tokens that leave the state alone (g = 0, beta = 0)."""
+    _check_heads(k, v)
+    if initial_state is None:
+        initial_state = jnp.zeros((k.shape[0], v.shape[2], k.shape[3], v.shape[3]),
+                                  jnp.float32)
+    out, final = _chunked(q, k, v, g, beta, initial_state.astype(jnp.float32), chunk)
+    return out.astype(v.dtype), final
 
-    A state wider than the values (d_s > d_v) reads them as zeros in its first d_s - d_v
-    columns: those columns only carry the initial state's (state passing's affine maps,
-    parallel/state_passing.py). The widening happens one chunk at a time, so neither the
-    widened values nor their gradient exist for the whole sequence."""
-    b, _, h_k, d_k = k.shape
-    h_v, d_v = v.shape[2:]
+
+def final_state(k, v, g, beta, *, chunk=64, initial_state):
+    """The final state alone, [b, h_v, d_k, d_s] f32, of the rule above from
+    initial_state [b, h_v, d_k, d_s]: no output, so no query is read and no scores are
+    formed. A state wider than the values (d_s > d_v) reads them as zeros in its first
+    d_s - d_v columns, which then only carry the initial state's (state passing's affine
+    maps, parallel/state_passing.py); they are widened one chunk at a time."""
+    _check_heads(k, v)
+    if initial_state.shape[-1] < v.shape[-1]:
+        raise ValueError(f"gated delta rule: a state of {initial_state.shape[-1]} columns "
+                         f"is narrower than the {v.shape[-1]} value features")
+    return _chunked(None, k, v, g, beta, initial_state.astype(jnp.float32), chunk)[1]
+
+
+def _check_heads(k, v):
+    h_k, h_v = k.shape[2], v.shape[2]
     if h_v % h_k:
         raise ValueError(f"gated delta rule: {h_v} value heads are not a multiple of "
                          f"{h_k} key heads")
-    if initial_state is None:
-        initial_state = jnp.zeros((b, h_v, d_k, d_v), jnp.float32)
-    if initial_state.shape[-1] < d_v:
-        raise ValueError(f"gated delta rule: a state of {initial_state.shape[-1]} columns "
-                         f"is narrower than the {d_v} value features")
-    out, final = _chunked(q, k, v, g, beta, initial_state.astype(jnp.float32), chunk)
-    return out.astype(out_dtype or v.dtype), final
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None):
@@ -122,11 +130,13 @@ def _einsum(spec, *operands):
 
 
 def _heads_f32(q, k, v, g, beta, width=None):
-    """f32 inputs, q and k normalised (q also scaled) and repeated up to v's heads, v
-    zero-widened in front to `width` features (None: as it is)."""
-    q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    """f32 inputs, q (None: none) and k normalised (q also scaled) and repeated up to v's
+    heads, v zero-widened in front to `width` features (None: as it is)."""
+    k, v, g, beta = (x.astype(jnp.float32) for x in (k, v, g, beta))
     repeat = v.shape[2] // k.shape[2]
-    q = jnp.repeat(l2normalized(q) * q.shape[-1] ** -0.5, repeat, axis=2)
+    if q is not None:
+        q = q.astype(jnp.float32)
+        q = jnp.repeat(l2normalized(q) * q.shape[-1] ** -0.5, repeat, axis=2)
     if width is not None:
         v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(width - v.shape[-1], 0)])
     return q, jnp.repeat(l2normalized(k), repeat, axis=2), v, g, beta
@@ -134,15 +144,25 @@ def _heads_f32(q, k, v, g, beta, width=None):
 
 def _segments(length, chunk):
     """(segments, chunks per segment) for `length` tokens: about sqrt(chunks) each, so the
-    backward holds about 2 sqrt(chunks) states, not one per chunk (the padding to whole
-    segments is under one segment's chunks: none for powers of two)."""
+    backward holds about 2 sqrt(chunks) states, not one per chunk. A divisor of the chunks
+    up to twice sqrt(chunks) is taken where there is one (512 chunks: 16 of 32), so that no
+    padding to whole segments copies the inputs; otherwise the padding is under one
+    segment's chunks."""
     chunks = -(-length // chunk)
-    per_segment = math.isqrt(chunks - 1) + 1
+    root = math.isqrt(chunks - 1) + 1
+    per_segment = next((n for n in range(root, 2 * root + 1) if chunks % n == 0), root)
     return -(-chunks // per_segment), per_segment
 
 
+def _moved(x, source, destination):
+    return None if x is None else jnp.moveaxis(x, source, destination)
+
+
 def _to_segments(x, chunk):
-    """[b, s, ...] -> [segments, chunks per segment, b, C, ...], zero-padded."""
+    """[b, s, ...] -> [segments, chunks per segment, b, C, ...], zero-padded (None stays
+    None)."""
+    if x is None:
+        return None
     b, length = x.shape[:2]
     segments, per_segment = _segments(length, chunk)
     x = jnp.pad(x, [(0, 0), (0, segments * per_segment * chunk - length)]
@@ -151,7 +171,9 @@ def _to_segments(x, chunk):
 
 
 def _from_segments(x, length):
-    """[segments, chunks per segment, b, C, ...] -> [b, length, ...]."""
+    """[segments, chunks per segment, b, C, ...] -> [b, length, ...] (None stays None)."""
+    if x is None:
+        return None
     segments, per_segment, b, chunk = x.shape[:4]
     return jnp.moveaxis(x, 2, 0).reshape(b, segments * per_segment * chunk,
                                          *x.shape[4:])[:, :length]
@@ -160,8 +182,10 @@ def _from_segments(x, length):
 def _chunk_terms(q, k, v, g, beta, width) -> ChunkTerms:
     """ChunkTerms of one chunk of the kernel's inputs ([b, C, heads, ...], as given) for
     a state of `width` columns: only a chunk at a time is ever in f32 with its key heads
-    repeated and its values widened."""
-    q, k, v, g, beta = (jnp.moveaxis(x, 1, 2) for x in _heads_f32(q, k, v, g, beta, width))
+    repeated and its values widened. Without q (None) the terms that read the state out,
+    q and scores, are None."""
+    q, k, v, g, beta = (None if x is None else jnp.moveaxis(x, 1, 2)
+                        for x in _heads_f32(q, k, v, g, beta, width))
     chunk = g.shape[-1]
     starts = jnp.isneginf(g)
     cum = jnp.cumsum(jnp.where(starts, 0.0, g), axis=-1)
@@ -181,17 +205,20 @@ def _chunk_terms(q, k, v, g, beta, width) -> ChunkTerms:
                                         axis=-1),
         left_side=True, lower=True, unit_diagonal=True)
     d_v = v.shape[-1]
+    reads = q is not None
     return ChunkTerms(
-        q=q * from_start[..., None], k=k * to_end[..., None], u=solved[..., :d_v],
-        w=solved[..., d_v:], scores=_einsum("...id,...jd->...ij", q, k) * pair_decay,
+        q=q * from_start[..., None] if reads else None, k=k * to_end[..., None],
+        u=solved[..., :d_v], w=solved[..., d_v:],
+        scores=_einsum("...id,...jd->...ij", q, k) * pair_decay if reads else None,
         decay=jnp.where(doc[..., -1] == 0, jnp.exp(cum[..., -1]), 0.0))
 
 
 def _chunk_step(state, terms: ChunkTerms):
-    """(state at the chunk's end, the chunk's out [b, h, C, d_v]) from its start state."""
+    """(state at the chunk's end, the chunk's out [b, h, C, d_v] or None without a
+    query) from its start state."""
     updates = terms.u - _einsum("bhcd,bhde->bhce", terms.w, state)
-    out = (_einsum("bhcd,bhde->bhce", terms.q, state)
-           + _einsum("bhij,bhje->bhie", terms.scores, updates))
+    out = None if terms.q is None else (_einsum("bhcd,bhde->bhce", terms.q, state)
+                                        + _einsum("bhij,bhje->bhie", terms.scores, updates))
     state = terms.decay[..., None, None] * state + _einsum("bhcd,bhce->bhde", terms.k, updates)
     return state, out
 
@@ -199,7 +226,7 @@ def _chunk_step(state, terms: ChunkTerms):
 def _scan_step(state, chunk_inputs):
     """(end state, (out [b, C, h, d_v], start state)) of one chunk."""
     end, out = _chunk_step(state, _chunk_terms(*chunk_inputs, width=state.shape[-1]))
-    return end, (jnp.moveaxis(out, 1, 2), state)
+    return end, (_moved(out, 1, 2), state)
 
 
 def _segment_step(state, segment_inputs):
@@ -209,12 +236,12 @@ def _segment_step(state, segment_inputs):
 
 
 def _forward(q, k, v, g, beta, initial_state, chunk):
-    """(out f32, final state, the state at each segment's start [segments, b, h, d_k,
-    d_v])."""
+    """(out f32 (None without q), final state, the state at each segment's start
+    [segments, b, h, d_k, d_v])."""
     final, (out, starts) = jax.lax.scan(
         _segment_step, initial_state,
         tuple(_to_segments(x, chunk) for x in (q, k, v, g, beta)))
-    return _from_segments(out, q.shape[1]), final, starts
+    return _from_segments(out, k.shape[1]), final, starts
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -237,7 +264,7 @@ def _chunked_bwd(chunk, residuals, cotangents):
         terms, terms_vjp = jax.vjp(functools.partial(_chunk_terms, width=state.shape[-1]),
                                    *chunk_inputs)
         _, step_vjp = jax.vjp(_chunk_step, state, terms)
-        d_state, d_terms = step_vjp((d_state, jnp.moveaxis(d_chunk_out, 1, 2)))
+        d_state, d_terms = step_vjp((d_state, _moved(d_chunk_out, 1, 2)))
         return d_state, terms_vjp(d_terms)
 
     def backward_segment(d_state, per_segment):
@@ -250,7 +277,8 @@ def _chunked_bwd(chunk, residuals, cotangents):
         backward_segment, d_final,
         (starts, tuple(_to_segments(x, chunk) for x in inputs), _to_segments(d_out, chunk)),
         reverse=True)
-    return (*(_from_segments(d, x.shape[1]) for d, x in zip(d_inputs, inputs)), d_initial)
+    length = inputs[1].shape[1]  # k's (q may be None)
+    return (*(_from_segments(d, length) for d in d_inputs), d_initial)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

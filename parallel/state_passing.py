@@ -3,17 +3,22 @@
 Each device holds contiguous runs of the sequence: one, or two with load balancing
 (chunks i and 2c-1-i of 2c, parallel/strategy.py; the attention layers of the same model
 want it, and every layer kind stores the sequence alike). The delta rule over a run is
-affine in the state it starts from: S_end = A S_0 + B (A [h, d_k, d_k], B [h, d_k, d_v]),
-and so is each output: o_t = S_0^T (A_t^T q_t) + (o_t from a zero state). One kernel call
-gives both: the state widened to [d_k, d_k + d_v], started at [I | 0], with values [0 | v]
-(the state's columns evolve independently) ends at [A | B] and outputs [A_t^T q_t | o_t
-from zero]. Then each device
+affine in the state it starts from: S_end = A S_0 + B (A [h, d_k, d_k], B [h, d_k, d_v]).
+A first kernel pass finds both, without outputs (kernels/gdn.final_state): the state
+widened to [d_k, d_k + d_v], started at [I | 0], with values read as [0 | v] (the state's
+columns evolve independently), ends at [A | B]. Then each device
 
 1. all-gathers every run's (A, B) over the sequence axes: f32, O(d_k (d_k + d_v)) per
    head, whatever the sequence length;
 2. folds them in sequence order, S(m+1) = A_m S(m) + B_m from S(0) = 0 (c x runs small
    matmuls per head, redundantly on every device: nothing next to a run);
-3. adds S(its run)'s share to the outputs: out = o(from zero) + (A_t^T q_t)^T S(run).
+3. runs the kernel again over its runs, from the states S(its runs), for the outputs.
+
+Outputs from the first pass instead (each is affine in S_0 too: o_t = S_0^T (A_t^T q_t)
++ o_t from zero, so [A_t^T q_t | o_t from zero] corrected by S(run)) would save the
+second pass's chunk terms, but they are f32 and d_k + d_v wide, and their gradient too:
+Qwen3-Next-like at 256K tokens on v5p:2x2x4 (recipes/qwen3_next_like.yaml) needed 57.38
+GB per chip that way with every layer linear, 55.24 GB this way (benchmarks/RESULTS.md).
 
 The backward: the kernel's custom VJP, and a custom VJP of steps 1-2 that all-gathers
 the gradients of the runs' start states (d_k x d_v per run) and walks the fold backwards
@@ -30,7 +35,7 @@ layer's step receives 24 MiB in the forward's gather and 12 MiB in the backward'
 whatever the sequence length (XLA's TPU compile for v5p:2x2x1 at 8K tokens: 36 MiB of
 all-gather, no other collective).
 
-Cost: the widened state does d_k + d_v columns' work instead of d_v (`extra_flops`).
+Cost: the first pass, whose widened state does d_k + d_v columns' work (`extra_flops`).
 Packed documents: a token at position 0 of its document gets g = -inf (the state is
 zeroed before its update, kernels/gdn.reset_at_document_starts), so a run that starts a
 document has A = 0 and nothing crosses a document boundary, on a device or between them.
@@ -46,7 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from lctrain.kernels.gdn import PRECISION, gated_delta_rule, reset_at_document_starts
+from lctrain.kernels.gdn import (PRECISION, final_state, gated_delta_rule,
+                                 reset_at_document_starts)
 from lctrain.parallel.cost_model import (F32, TOKEN_IDS, AttentionFootprint, Dims,
                                          NotOnThisMesh, Traffic)
 from lctrain.parallel.sharding import LOGICAL_TO_MESH
@@ -140,13 +146,11 @@ def local_delta_rule(q, k, v, g, beta, positions, runs, chunk):
     d_k, d_v = k.shape[-1], v.shape[-1]
     rows, _, heads, _ = v.shape
     identity = jnp.concatenate([jnp.eye(d_k), jnp.zeros((d_k, d_v))], axis=-1)
-    out, maps = gated_delta_rule(q, k, v, g, beta, chunk=chunk, out_dtype=jnp.float32,
-                                 initial_state=jnp.broadcast_to(identity, (rows, heads,
-                                                                           *identity.shape)))
-    starts = _run_starts(maps, runs)
-    out = out[..., d_k:] + jnp.einsum("bshk,bhkv->bshv", out[..., :d_k], starts,
-                                      precision=PRECISION)
-    return rows_as_runs(out, runs).astype(v.dtype)
+    maps = final_state(k, v, g, beta, chunk=chunk,
+                       initial_state=jnp.broadcast_to(identity, (rows, heads, *identity.shape)))
+    out, _ = gated_delta_rule(q, k, v, g, beta, chunk=chunk,
+                              initial_state=_run_starts(maps, runs))
+    return rows_as_runs(out, runs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -258,13 +262,14 @@ def conv_halo_traffic(dm: Dims) -> Traffic:
 
 def state_passing_extra_flops(b, heads, d_k, d_v, tokens, c, runs, chunk, layers,
                               passes) -> float:
-    """FLOPs per device and step the split adds to its `tokens` tokens' kernel work: per
-    token and head the widened state's d_k more columns (reading and writing the state
-    and the intra-chunk products, 6 d_k^2 + 2 C d_k, and the chunk solve's C d_k), the
-    outputs' correction (2 d_k d_v), and the fold of all c x runs maps (2 d_k^2 d_v each).
+    """FLOPs per device and step the split adds to its `tokens` tokens' kernel work: the
+    first pass, the widened state's run without outputs (per token and head: the chunk's
+    k k^T products 2 C d_k, its solve for d_k + d_v widened values and d_k state columns
+    C (2 d_k + d_v), and the state's read and write 4 d_k (d_k + d_v)), and the fold of
+    all c x runs maps (2 d_k^2 d_v each). The second pass is the kernel one device runs.
     The kernel's backward counts as four forwards: it redoes each segment's forward for
     its chunk states, each chunk's again under jax.vjp, and the vjp's products cost about
     two more."""
-    per_token = 6 * d_k * d_k + 3 * chunk * d_k + 2 * d_k * d_v
+    per_token = 2 * chunk * d_k + chunk * (2 * d_k + d_v) + 4 * d_k * (d_k + d_v)
     forward = b * heads * (tokens * per_token + c * runs * 2 * d_k * d_k * d_v)
     return (passes + 4) * layers * forward
