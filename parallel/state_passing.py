@@ -93,12 +93,15 @@ class StatePassing(ContextStrategy):
     @classmethod
     def attention_footprint(cls, dm: Dims) -> AttentionFootprint:
         """A linear layer's backward (dm.h value heads, dm.kv key heads, dm.d = d_k = d_v
-        per tensor shard): its q, k, v and their f32 gradients, and the kernel's segment
-        start states of the widened [d_k, d_k + d_v] state, about sqrt(chunks) of them."""
+        per tensor shard). Per token: q, k, v before and after the conv, and the conv's
+        input with its halo (compute dtype), and their f32 gradients; the output gate z and
+        the delta rule's output (compute dtype), and the gated norm's f32 input and
+        gradient. Beside them the first pass's segment start states of the widened [d_k,
+        d_k + d_v] state, about sqrt(chunks) of them."""
         tokens = dm.b * dm.s_l
-        qkv = (2 * dm.kv + dm.h) * dm.d
+        qkv, values = (2 * dm.kv + dm.h) * dm.d, dm.h * dm.d
         states = math.isqrt(max(1, dm.s_l // cls.chunk)) + 1
-        working_set = (tokens * qkv * (dm.p + F32)
+        working_set = (tokens * (qkv * (3 * dm.p + F32) + values * 2 * (dm.p + F32))
                        + states * dm.b * dm.h * dm.d * 2 * dm.d * F32)
         return AttentionFootprint(working_set, dm.s_l, dm.s_l, dm.h, dm.kv)
 

@@ -228,3 +228,23 @@ def test_planned_conv_sends_match_the_compiled_hlo():
     counted = collective_bytes(compiled.as_text()).bytes_by_kind["collective-permute"]
     planned = planner.plan(recipe, V5P, CONTEXT4, "cpu").plans[0].comm_detail
     assert counted == planned["strategy_conv_halo"]
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_a_linear_hybrid_holds_its_linear_layers_working_set(strategy):
+    """The layer phase holds one layer's backward at a time, the largest kind's: on the
+    Qwen3-Next-like recipe the linear layer's (wider projections, a 256K sequence on 16
+    chips), calibrated as state_passing's own, whichever strategy the global layers take.
+    With ring on them it was once the ring's alone (5.8 GB against the linear layers'
+    8.2)."""
+    from lctrain.parallel.planner.memory import CALIBRATION
+    from lctrain.parallel.state_passing import StatePassing
+
+    recipe = load_recipe("recipes/qwen3_next_like.yaml")
+    axis_sizes = {"data": 4, "fsdp": 1, "context": 4, "tensor": 1}
+    linear = layer_kinds.linear_dims(recipe, dims(recipe, axis_sizes, "state_passing", 1))
+    expected = CALIBRATION["attention_copies"] * StatePassing.attention_footprint(
+        linear).working_set
+    plan = planner.estimate(recipe, axis_sizes, V5P, strategy)
+    assert plan.memory["attention"] == pytest.approx(expected)
+    assert expected > 3 * StatePassing.kernel_residuals(linear)  # more than its inputs

@@ -56,6 +56,7 @@ from lctrain import kernels
 from lctrain.kernels import splash
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.cost_model import F32, AttentionFootprint, Dims
+from lctrain.parallel.planner.layer_kinds import KindsCostModel
 from lctrain.parallel.planner.shapes import (Weights, checkpoint_shares, loss_chunks,
                                              mlp_chunk_len)
 from lctrain.parallel.ring_cost import ring_attention_footprint
@@ -188,7 +189,7 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
         "layer_weights": 3 * p * w.layer_gathered + 2 * F32 * w.mlp_gathered,
         "layer_width": CALIBRATION["layer_width_tensors"] * tokens * dm.e * p,
         "layer_mlp": CALIBRATION["layer_backward"] * mlp_tokens * 5 * dm.f * p,
-        "attention": _attention_working_set(dm, footprint),
+        "attention": _attention_working_set(strategy, dm),
         **_kernel_scratch(dm, footprint, impl, recipe),
     }
     if recipe.remat.policy == "save_all":
@@ -205,16 +206,21 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
         t for t in terms if t not in phased or t in PHASES[peak_phase]))
 
 
-def _attention_working_set(dm: Dims, footprint: AttentionFootprint) -> float:
+def _attention_working_set(strategy: type[ContextStrategy] | KindsCostModel,
+                           dm: Dims) -> float:
     """The strategy's attention working set, calibrated: without a ring (gathered or
     all-to-all'd tensors) attention_copies times; with one, the ring's rotating blocks
     and accumulators ring_attention_copies times, and nothing for usp's all-to-alls around
     it: their local side holds the ring's q, k, v, out, dout in the other layout, freed as
     the exchange goes (a copy of it beside the ring's, as usp's footprint counts it, is
     what the compiled programs do not hold: 1M tokens on v5p:2x2x1 with the MLP in
-    chunks compiles to 83.74 GB for usp, 87.04 GB for ring)."""
+    chunks compiles to 83.74 GB for usp, 87.04 GB for ring). With layer kinds, the
+    largest kind's: one layer's backward runs at a time."""
+    if isinstance(strategy, KindsCostModel):
+        return max(_attention_working_set(cls, kind_dims)
+                   for cls, kind_dims in strategy.kinds.values())
     if dm.r == 1:
-        return CALIBRATION["attention_copies"] * footprint.working_set
+        return CALIBRATION["attention_copies"] * strategy.attention_footprint(dm).working_set
     return CALIBRATION["ring_attention_copies"] * ring_attention_footprint(dm).working_set
 
 
