@@ -12,10 +12,11 @@ g in [-0.5, 0], beta in (0, 1), as the model's softplus and sigmoid give them.
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lctrain.kernels.gdn import (gated_delta_rule, recurrent_gated_delta_rule,
+from lctrain.kernels.gdn import (final_state, gated_delta_rule, recurrent_gated_delta_rule,
                                  reset_at_document_starts)
 from lctrain.kernels.jaxpr_walk import equations
 from lctrain.parallel.cost_model import Dims
@@ -123,6 +124,33 @@ def test_custom_vjp_matches_autodiff_of_recurrence(packed):
     assert_close(got, want, GRADIENT_NAMES)
     if packed:  # the gates at document starts get no gradient, as in the recurrence
         assert not np.asarray(got[5])[np.isneginf(g)].any()
+
+
+def test_final_state_widens_the_values_in_the_kernel():
+    """final_state with a state d_k columns wider than the values (state passing's first
+    pass) against the recurrence given the widened values [0 | v] whole: the final
+    state, and its gradient to k, v, g, beta and the initial state."""
+    seq = 40
+    q, k, v, g, beta, state, _, _ = inputs(seq)
+    rng = np.random.default_rng(1)
+    wide_state = rng.standard_normal((B, HV, DK, DK + DV), np.float32)
+    d_final = rng.standard_normal((B, HV, DK, DK + DV), np.float32)
+
+    def loss(fn, k, v, g, beta, state):
+        return jnp.sum(fn(k, v, g, beta, state) * d_final)
+
+    def ours(k, v, g, beta, state):
+        return final_state(k, v, g, beta, chunk=16, initial_state=state)
+
+    def reference(k, v, g, beta, state):
+        widened = jnp.concatenate([jnp.zeros((*v.shape[:-1], DK)), v], axis=-1)
+        return recurrent_gated_delta_rule(q, k, widened, g, beta, initial_state=state)[1]
+
+    args = (k, v, g, beta, wide_state)
+    assert_close([ours(*args)], [reference(*args)], ["final state"])
+    names = ("dk", "dv", "dg", "dbeta", "d initial state")
+    assert_close(jax.grad(functools.partial(loss, ours), argnums=range(5))(*args),
+                 jax.grad(functools.partial(loss, reference), argnums=range(5))(*args), names)
 
 
 def strategy_for(context, load_balance, extra=()):
