@@ -271,8 +271,9 @@ class Transformer(nnx.Module):
 
             return apply
 
-        remat = (lambda fn: fn) if remat_policy is None else (
-            lambda fn: jax.checkpoint(fn, policy=remat_policy, prevent_cse=False))
+        remat = (lambda fn, prevent_cse=False: fn) if remat_policy is None else (
+            lambda fn, prevent_cse=False: jax.checkpoint(fn, policy=remat_policy,
+                                                         prevent_cse=prevent_cse))
         layer_fns = {kind: one_layer(kind) for kind in attends}
         name_input = functools.partial(layer_input, pieces=layer_input_pieces)
         if layers_per_checkpoint > 1:
