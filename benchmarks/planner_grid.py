@@ -58,13 +58,16 @@ MODELS = {
             "model.d_ff=3584", "model.layers=4", "model.vocab=32768"),
 }
 REMAT = {"full": ("remat.policy=full",),
+         "full_groups": ("remat.policy=full", "remat.layers_per_checkpoint=2"),
          "minimal": ("remat.policy=minimal",),
          "offload": ("remat.policy=custom", "remat.tensors={decoder_layer_input: offload}")}
 K, M = 2**10, 2**20
 # recipes/llama3_8b_1m.yaml's MLP chunks (remat.mlp_chunk_tokens, whole sequence): 8192
 # tokens per chip, so Point.overrides scales them with the chips; recipes/llama3_8b_128k.yaml's
-# ("lean": with remat.recast_weights besides) 2048.
-MLP_CHUNK_TOKENS_PER_CHIP = {"offload_mlp_chunks": 8 * K, "lean": 2 * K}
+# ("lean": with remat.recast_weights besides) 2048; "frontier": the 1M recipe's, with the
+# weights recast per layer and one layer input in two saved (remat.layers_per_checkpoint=2,
+# how 2M tokens come within 4 GB of 4 chips' HBM).
+MLP_CHUNK_TOKENS_PER_CHIP = {"offload_mlp_chunks": 8 * K, "lean": 2 * K, "frontier": 8 * K}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,23 +75,23 @@ class Grid:
     cases: tuple[tuple[str, str, int], ...]     # (model, topology, tokens)
     remats: tuple[str, ...] = ("full", "offload")
     strategies: tuple[str, ...] = ("all_gather", "ulysses", "ring", "usp")
-    # (model, topology, tokens) compiled with the layer inputs offloaded and the MLP in
-    # chunks (recipes/llama3_8b_1m.yaml's settings)
-    mlp_chunk_cases: tuple[tuple[str, str, int], ...] = ()
-    # ... and with recipes/llama3_8b_128k.yaml's (smaller chunks, weights recast per layer)
-    lean_cases: tuple[tuple[str, str, int], ...] = ()
+    # (remat, (model, topology, tokens)): cases compiled with one remat setting alone
+    # (offload_mlp_chunks: recipes/llama3_8b_1m.yaml's; lean: recipes/llama3_8b_128k.yaml's)
+    remat_cases: tuple[tuple[str, tuple[str, str, int]], ...] = ()
 
 
 GRIDS = {
     # fitted on, and held out to check the fit
     "fit": Grid((("llama3.1-8b", "v5p:2x2x1", 128 * K), ("llama3.1-8b", "v5p:2x2x1", 512 * K),
                  ("llama3.1-8b", "v5p:4x4x4", 1 * M), ("llama3.1-8b", "v5p:4x4x4", 4 * M)),
-                mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 1 * M),)),
+                remat_cases=(("offload_mlp_chunks", ("llama3.1-8b", "v5p:2x2x1", 1 * M)),)),
     "heldout": Grid((("llama3.1-8b", "v5p:2x2x1", 256 * K), ("llama3.1-8b", "v5p:2x2x1", 1 * M),
                      ("llama3.1-8b", "v5p:4x4x4", 2 * M), ("llama3.1-8b", "v5p:4x4x4", 8 * M)),
-                    mlp_chunk_cases=(("llama3.1-8b", "v5p:2x2x1", 512 * K),
-                                     ("llama3.1-8b", "v5p:2x2x1", 2 * M)),
-                    lean_cases=(("llama3.1-8b", "v5p:2x2x1", 128 * K),)),
+                    remat_cases=(("offload_mlp_chunks", ("llama3.1-8b", "v5p:2x2x1", 512 * K)),
+                                 ("offload_mlp_chunks", ("llama3.1-8b", "v5p:2x2x1", 2 * M)),
+                                 ("lean", ("llama3.1-8b", "v5p:2x2x1", 128 * K)),
+                                 ("full_groups", ("llama3.1-8b", "v5p:2x2x1", 128 * K)),
+                                 ("frontier", ("llama3.1-8b", "v5p:2x2x1", 2 * M)))),
     # tests/test_planner.py's FULL_GRID (24 programs of a few seconds to minutes each)
     "small": Grid(tuple((model, "v5p:2x2x1", seq) for model in ("tiny512", "mid")
                         for seq in (8 * K, 32 * K)),
@@ -123,14 +126,16 @@ class Point:
 
 
 def remat_overrides(remat: str, topology: str) -> list[str]:
-    """REMAT's settings, or (offload_mlp_chunks, lean) the offload ones with the MLP in
-    chunks of MLP_CHUNK_TOKENS_PER_CHIP per chip (lean: and the weights recast per layer)."""
+    """REMAT's settings, or (offload_mlp_chunks, lean, frontier) the offload ones with the
+    MLP in chunks of MLP_CHUNK_TOKENS_PER_CHIP per chip (lean: and the weights recast per
+    layer; frontier: recast, and in groups of two layers)."""
     if remat not in MLP_CHUNK_TOKENS_PER_CHIP:
         return list(REMAT[remat])
     from lctrain.parallel import chips
     chunk = MLP_CHUNK_TOKENS_PER_CHIP[remat] * chips.topology_device_count(topology)
-    recast = ["remat.recast_weights=true"] if remat == "lean" else []
-    return [*REMAT["offload"], f"remat.mlp_chunk_tokens={chunk}", *recast]
+    recast = ["remat.recast_weights=true"] if remat in ("lean", "frontier") else []
+    groups = ["remat.layers_per_checkpoint=2"] if remat == "frontier" else []
+    return [*REMAT["offload"], f"remat.mlp_chunk_tokens={chunk}", *recast, *groups]
 
 
 def versions() -> dict[str, str | None]:
@@ -180,8 +185,7 @@ def grid_points(names: list[str]) -> tuple[list[Point], list[str]]:
     for name in names:
         grid = GRIDS[name]
         cases = [*itertools.product(grid.cases, grid.remats),
-                 *((case, "offload_mlp_chunks") for case in grid.mlp_chunk_cases),
-                 *((case, "lean") for case in grid.lean_cases)]
+                 *((case, remat) for remat, case in grid.remat_cases)]
         for (model, topology, seq_len), remat in cases:
             # as `lctrain plan` asks: every strategy the mesh allows
             recipe, sizes = recipe_and_mesh(topology, [

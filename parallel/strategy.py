@@ -244,7 +244,7 @@ def _check_splash_layout(recipe: Recipe, axis_sizes: dict[str, int],
             f"of {chunk} tokens (data.seq_len {recipe.data.seq_len} / {chunks}: "
             f"mesh.context {context}" + (", x2 for parallel.load_balance" if chunks > context
                                          else "") + "), and splash needs multiples of 128; "
-            f"change data.seq_len, or use attention.impl=pallas or auto")
+            "change data.seq_len, or use attention.impl=pallas or auto")
     try:
         splash.block_sizes(*kernel_lengths, recipe.attention.block_q, recipe.attention.block_kv,
                            chunk)

@@ -255,22 +255,29 @@ def test_sparser_checkpoints_keep_a_rings_loss_and_gradients(every):
 
 
 def test_the_plan_offloads_one_layer_input_in_k_and_recomputes_the_rest():
-    """llama3.1-8b at 128K on 4 v5p chips, layer inputs offloaded: groups of 2 halve the
-    host bytes (8.59 -> 4.29 GB), leave the device estimate (the compiled step fell 9%
-    for full remat, 64.40 -> 58.43 GB, and rose at 512K tokens per chip), and add one
+    """llama3.1-8b at 128K on 4 v5p chips: groups of 2 halve the saved layer inputs, on the
+    host when offloaded (8.59 -> 4.29 GB) and on the device under full remat, hold the
+    group's recomputed input in its backward (group_input_copies of one), and add one
     forward of half the layers."""
     from lctrain.parallel.chips import CHIPS
-    from lctrain.parallel.planner import estimate
+    from lctrain.parallel.planner import CALIBRATION, estimate
     sets = ["model.preset=llama3.1-8b", "model.dtype=bfloat16", "mesh.data=1",
             "mesh.context=4", "parallel.strategy=all_gather", "data.seq_len=131072",
-            "data.batch_size=1", *CASES["offload"]]
+            "data.batch_size=1"]
     sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
-    every_1, every_2 = (
-        estimate(load_recipe("tiny", [*sets, f"remat.layers_per_checkpoint={k}"]), sizes,
-                 CHIPS["v5p"], "all_gather") for k in (1, 2))
-    layer_inputs = 32 * 131072 // 4 * 4096 * 2
-    assert every_1.host_bytes == layer_inputs and every_2.host_bytes == layer_inputs / 2
-    assert every_2.hbm_bytes == every_1.hbm_bytes
+
+    def plans(remat):
+        return (estimate(load_recipe("tiny", [*sets, *remat, f"remat.layers_per_checkpoint={k}"]),
+                         sizes, CHIPS["v5p"], "all_gather") for k in (1, 2))
+
+    one_input = 131072 // 4 * 4096 * 2
+    every_1, every_2 = plans(CASES["offload"])
+    assert every_1.host_bytes == 32 * one_input and every_2.host_bytes == 16 * one_input
+    assert every_1.memory["group_inputs"] == 0
+    assert every_2.memory["group_inputs"] == CALIBRATION["group_input_copies"] * one_input
+    assert every_2.memory["activations"] == every_1.memory["activations"] == 0
+    full_1, full_2 = plans(CASES["full"])
+    assert full_2.memory["activations"] == full_1.memory["activations"] / 2 > 0
     assert every_2.compute_s > every_1.compute_s
 
 

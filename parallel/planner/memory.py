@@ -58,7 +58,7 @@ from lctrain.parallel import STRATEGIES
 from lctrain.parallel.cost_model import F32, AttentionFootprint, Dims
 from lctrain.parallel.planner.layer_kinds import KindsCostModel
 from lctrain.parallel.planner.shapes import (Weights, checkpoint_shares, loss_chunks,
-                                             mlp_chunk_len)
+                                             mlp_chunk_len, recomputed_inputs_per_group)
 from lctrain.parallel.ring_cost import ring_attention_footprint
 from lctrain.parallel.strategy import ContextStrategy, stored_chunk_tokens
 from lctrain.recipes.schema import Recipe
@@ -109,6 +109,13 @@ CALIBRATION = {
     # layer's weights inside the loop): 0.76-0.85 of one (2.65-2.95 GB) for the four
     # strategies of recipes/llama3_8b_128k.yaml on v5p:2x2x1, compiled with and without.
     "recast_weight_copies": 0.79,
+    # A checkpointed group's backward (remat.layers_per_checkpoint = k > 1) recomputes the
+    # inputs of its other k - 1 layers and holds them with their gradients: copies of one
+    # [b, s_l, d_model] compute-dtype tensor per recomputed input. llama3.1-8b, 512K tokens
+    # per chip, compiled in groups of 2 and of 1: +21.6 GB (5.0 inputs) on v5p:4x4x4 and
+    # +8.1 GB on v5p:2x2x4 (ring), but none on v5p:2x2x1, where the peak sits elsewhere;
+    # 1.8 keeps every compiled point within 15% (benchmarks/RESULTS.md, 2026-12-07).
+    "group_input_copies": 1.8,
     # f32 gradient buffers in the layers' backward.
     "gradient_copies": 1.224,
     # Copies of the gathered output weights (compute dtype) in the loss backward.
@@ -125,7 +132,7 @@ CALIBRATION = {
 # The terms of each phase; the peak holds the largest phase and every term of no phase.
 # One layer's backward runs its MLP and its attention one after the other, so their
 # working sets peak apart, each beside what the whole layer holds.
-_LAYER = ("gradients", "embedding_gradient", "layer_weights", "layer_width")
+_LAYER = ("gradients", "embedding_gradient", "layer_weights", "layer_width", "group_inputs")
 PHASES = {"loss": ("loss_head", "loss_logits"),
           "layer_mlp": (*_LAYER, "layer_mlp"),
           "layer_attention": (*_LAYER, "attention", "kernel_scratch")}
@@ -188,6 +195,8 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
         "embedding_gradient": F32 * w.embedding if embedding_table_grad else 0.0,
         "layer_weights": 3 * p * w.layer_gathered + 2 * F32 * w.mlp_gathered,
         "layer_width": CALIBRATION["layer_width_tensors"] * tokens * dm.e * p,
+        "group_inputs": (CALIBRATION["group_input_copies"] * tokens * dm.e * p
+                         * recomputed_inputs_per_group(L, recipe.remat.layers_per_checkpoint)),
         "layer_mlp": CALIBRATION["layer_backward"] * mlp_tokens * 5 * dm.f * p,
         "attention": _attention_working_set(strategy, dm),
         **_kernel_scratch(dm, footprint, impl, recipe),
@@ -242,7 +251,8 @@ def _remat_tensors(dm: Dims) -> dict[str, float]:
 def _saved_per_token(recipe: Recipe, dm: Dims) -> tuple[float, float]:
     """(device bytes, host bytes) saved per token per layer for backward."""
     named = _remat_tensors(dm)
-    carry = CALIBRATION["stacked_input_copies"] * named["decoder_layer_input"]
+    saved, _ = checkpoint_shares(recipe.model.layers, recipe.remat.layers_per_checkpoint)
+    carry = CALIBRATION["stacked_input_copies"] * named["decoder_layer_input"] * saved
     policy = recipe.remat.policy
     if policy == "full":
         return carry, 0.0
@@ -260,11 +270,8 @@ def _saved_per_token(recipe: Recipe, dm: Dims) -> tuple[float, float]:
     device = CALIBRATION["saved_copies"] * sum(
         named[n] for n, where in recipe.remat.tensors.items()
         if where == "device" and n != "decoder_layer_input")
-    # Only the saved layer inputs reach the host (checkpoint_shares). On the device the
-    # recomputed groups' transients take what the fewer saved inputs free (llama3.1-8b,
-    # all_gather, 128K on v5p:2x2x1, full remat: 64.40 GB, 62.80 in groups of 2, 62.98 of
-    # 4), so the device side stays as it was.
-    saved, _ = checkpoint_shares(recipe.model.layers, recipe.remat.layers_per_checkpoint)
+    # Only the saved layer inputs reach the host or stay on the device
+    # (checkpoint_shares); the recomputed ones are the layer phase's group_inputs.
     host = sum(named[n] * (saved if n == "decoder_layer_input" else 1)
                for n, where in recipe.remat.tensors.items() if where == "offload")
     # The scan carry (the layer input) is always kept unless it was offloaded.
