@@ -35,8 +35,8 @@ benchmarks/data/planner_grid.jsonl: llama3.1-8b compiled for v5p:2x2x1 (128K, 51
 v5p:4x4x4 (1M, 4M), all_gather, ulysses, ring, usp x full and offloaded remat. There the
 estimate is within 11.2% of XLA's per-chip HBM (rms 5.0%, 32 points); on the held-out grid
 (256K, 1M on 4 chips, 512K and 2M with MLP chunks, 128K with recipes/llama3_8b_128k.yaml's
-settings; 2M, 8M on 64) within 13.7% but for ulysses at 2M on 4 chips, 18.2% under (rms
-6.7%, 35 points); on the small models' grid within 14.0% (rms 8.7%, 24 points). Every point was
+settings, and in groups of two layers at 128K and 2M; 2M, 8M on 64) within 14.7% but for
+ulysses at 2M on 4 chips, 18.2% under (rms 6.9%, 41 points); on the small models' grid within 14.0% (rms 8.7%, 24 points). Every point was
 compiled again after the loss and MLP scheduling fixes of 2026-12-04 (trainer/model/loss.py,
 trainer/model/transformer.gradients_together), which moved the figures by up to 37% (ring on 64
 chips, offloaded); before them the estimate was within 14.0% / 24.5%, with usp (Ulysses
