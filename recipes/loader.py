@@ -340,6 +340,9 @@ def _validate_remat(recipe: Recipe) -> None:
                  f"only used with remat.policy=custom (policy is '{r.policy}')")
     require(r.mlp_chunk_tokens >= 0, "remat.mlp_chunk_tokens", r.mlp_chunk_tokens,
              "use a positive number of tokens, or 0 to run the MLP unchunked")
+    if r.compiler_remat_percent is not None:
+        require(1 <= r.compiler_remat_percent <= 100, "remat.compiler_remat_percent",
+                 r.compiler_remat_percent, "use a percent of the HBM, 1 to 100, or null")
     every = r.layers_per_checkpoint
     require(1 <= every <= recipe.model.layers, "remat.layers_per_checkpoint", every,
              f"use 1 to model.layers ({recipe.model.layers})")

@@ -292,6 +292,20 @@ def test_sparser_checkpoints_are_refused_where_they_do_not_apply(sets, words):
         load_recipe("tiny", sets)
 
 
+@pytest.mark.parametrize("percent", [0, 120])
+def test_a_compiler_remat_percent_outside_the_hbm_is_refused(percent):
+    with pytest.raises(RecipeError, match=rf"remat.compiler_remat_percent.*{percent}.*1 to 100"):
+        load_recipe("tiny", [f"remat.compiler_remat_percent={percent}"])
+
+
+def test_the_plan_says_it_leaves_out_the_compilers_own_remat():
+    from lctrain.parallel.planner.accuracy import estimate_note
+    sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+    assert estimate_note(load_recipe("tiny"), sizes) is None
+    note = estimate_note(load_recipe("tiny", ["remat.compiler_remat_percent=85"]), sizes)
+    assert "remat.compiler_remat_percent" in note and "--compile" in note
+
+
 def test_offloaded_optimizer_state_trains_and_resumes_like_on_device(tmp_path, full_losses):
     recipe = load_recipe("tiny", CPU_SETS + ["optimizer.offload=true"])
     assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
@@ -313,13 +327,17 @@ def test_offloaded_moments_live_in_pinned_host_memory():
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {"device"}
 
 
-def test_recast_weights_reaches_the_tpu_compiler_alone_and_says_so_elsewhere():
-    recipe = load_recipe("tiny", CASES["recast"])
-    assert compiler_options(recipe, "tpu") == {"xla_jf_bf16_propagation": "false"}
+def test_the_tpu_compiler_options_reach_the_tpu_compiler_alone_and_say_so_elsewhere():
+    recipe = load_recipe("tiny", [*CASES["recast"], "remat.compiler_remat_percent=85"])
+    assert compiler_options(recipe, "tpu") == {
+        "xla_jf_bf16_propagation": "false",
+        "xla_jf_rematerialization_percent_shared_memory_limit": "85"}
     assert compiler_options(recipe, "cpu") == compiler_options(load_recipe("tiny"), "tpu") == {}
     console = Console(record=True, width=200)
     check_devices(recipe, jax.devices()[:1], console)
-    assert "note: remat.recast_weights changes nothing on cpu" in console.export_text()
+    said = console.export_text()
+    assert "note: remat.recast_weights changes nothing on cpu" in said
+    assert "note: remat.compiler_remat_percent changes nothing on cpu" in said
 
 
 def test_offload_needs_pinned_host_memory():

@@ -31,13 +31,22 @@ def remat_policy(cfg: RematConfig) -> Callable | None:
 
 
 def compiler_options(recipe: Recipe, platform: str) -> dict[str, str]:
-    """XLA options the train step compiles with. remat.recast_weights turns off the TPU
-    compiler's bf16 propagation, which moves each layer's float32-to-bf16 weight cast in
-    front of the layer loop's slicing and then out of the loop: one bf16 copy of all the
-    layers' weights, alive from the first layer's forward to the last one's backward."""
-    if recipe.remat.recast_weights and platform == "tpu":
-        return {"xla_jf_bf16_propagation": "false"}
-    return {}
+    """XLA options the train step compiles with, all for the TPU compiler.
+
+    remat.recast_weights turns off its bf16 propagation, which moves each layer's
+    float32-to-bf16 weight cast in front of the layer loop's slicing and then out of the
+    loop: one bf16 copy of all the layers' weights, alive from the first layer's forward
+    to the last one's backward. remat.compiler_remat_percent sets the HBM share its own
+    rematerialization pass works towards."""
+    if platform != "tpu":
+        return {}
+    options = {}
+    if recipe.remat.recast_weights:
+        options["xla_jf_bf16_propagation"] = "false"
+    if recipe.remat.compiler_remat_percent is not None:
+        options["xla_jf_rematerialization_percent_shared_memory_limit"] = str(
+            recipe.remat.compiler_remat_percent)
+    return options
 
 
 # libtpu (0.0.42.1 and 0.0.50.1) aborts compiling a layer scan that offloads a piece of 4 GiB

@@ -46,7 +46,7 @@ def check_devices(recipe: Recipe, devices=None, console: Console | None = None,
         console.print(choice.sentence, soft_wrap=True, markup=False)
     platform = devices[0].platform
     for note in (kernel_note(recipe.attention.impl, platform),
-                 recast_note(recipe.remat.recast_weights, platform)):
+                 *tpu_compiler_notes(recipe, platform)):
         if note and console:
             console.print(f"note: {note}", markup=False, soft_wrap=True)
     _check_strategies(recipe, sizes, platform, evaluating)
@@ -73,13 +73,15 @@ def _check_strategies(recipe: Recipe, sizes: dict[str, int], platform: str,
             raise RecipeError(str(err).replace("data.seq_len", "eval.seq_len")) from None
 
 
-def recast_note(recast_weights: bool, platform: str) -> str | None:
-    """What remat.recast_weights does off a TPU: nothing (it is an option of XLA's TPU
-    compiler, trainer/model/remat.compiler_options)."""
-    if recast_weights and platform != "tpu":
-        return (f"remat.recast_weights changes nothing on {platform} (it is about XLA's TPU "
-                "compiler)")
-    return None
+def tpu_compiler_notes(recipe: Recipe, platform: str) -> list[str]:
+    """What the remat keys that are options of XLA's TPU compiler
+    (trainer/model/remat.compiler_options) do off a TPU: nothing."""
+    if platform == "tpu":
+        return []
+    keys = {"remat.recast_weights": recipe.remat.recast_weights,
+            "remat.compiler_remat_percent": recipe.remat.compiler_remat_percent is not None}
+    return [f"{key} changes nothing on {platform} (it is about XLA's TPU compiler)"
+            for key, set_ in keys.items() if set_]
 
 
 def kernel_note(impl: str, platform: str) -> str | None:
