@@ -301,8 +301,9 @@ def test_a_compiler_remat_percent_outside_the_hbm_is_refused(percent):
 def test_the_plan_says_it_leaves_out_the_compilers_own_remat():
     from lctrain.parallel.planner.accuracy import estimate_note
     sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
-    assert estimate_note(load_recipe("tiny"), sizes) is None
+    without = estimate_note(load_recipe("tiny"), sizes) or ""  # other libtpus add a note
     note = estimate_note(load_recipe("tiny", ["remat.compiler_remat_percent=85"]), sizes)
+    assert "remat.compiler_remat_percent" not in without
     assert "remat.compiler_remat_percent" in note and "--compile" in note
 
 
