@@ -9,8 +9,8 @@ ring backward's new order of 2026-12-05): the fit grid within 11.2% of XLA's per
 HBM (rms 5.0%), the held-out grid within 14.7% (rms 6.9%, 41 points, with
 recipes/llama3_8b_128k.yaml's settings added on 2026-12-06 and one layer input in two on
 2026-12-07) but for ulysses at 2M tokens on 4 chips, 18.2% under (the other strategies
-there within 7%); the small models' grid within 14.0%. The notes below stay where the older programs ran outside 15% and the refit has
-not been checked beyond the grid.
+there within 7%); the small models' grid within 14.0%. The notes below stay where the
+older programs ran outside 15% and the refit has not been checked beyond the grid.
 
 A model whose scan picks each layer's kind with a switch (global and sliding layers,
 recipes/gemma3_like_8b_1m.yaml at 1M tokens on v5p:2x2x1, its sliding layers on halo;

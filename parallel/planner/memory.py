@@ -10,8 +10,9 @@ Memory: a program's peak is what is alive together; per device
   loss             the output weights gathered and their full f32 gradient, one chunk's
                    f32 logits, the hidden states cut into chunks and their gradient;
   layer MLP        f32 gradients (sharded), one layer's gathered weights and full
-                   gradient, its [tokens, d_model] tensors, and the MLP's recomputed
-                   [tokens, d_ff] intermediates (one chunk with remat.mlp_chunk_tokens);
+                   gradient, its [tokens, d_model] tensors, the MLP's recomputed
+                   [tokens, d_ff] intermediates (one chunk with remat.mlp_chunk_tokens),
+                   and a checkpointed group's recomputed layer inputs;
   layer attention  the same layer-wide terms with, instead of the MLP's, the strategy's
                    attention working set (gathered K/V and their f32 gradients; head-
                    sharded q, k, v, out; rotating K/V, f32 dK/dV and out/dq
@@ -36,8 +37,8 @@ v5p:4x4x4 (1M, 4M), all_gather, ulysses, ring, usp x full and offloaded remat. T
 estimate is within 11.2% of XLA's per-chip HBM (rms 5.0%, 32 points); on the held-out grid
 (256K, 1M on 4 chips, 512K and 2M with MLP chunks, 128K with recipes/llama3_8b_128k.yaml's
 settings, and in groups of two layers at 128K and 2M; 2M, 8M on 64) within 14.7% but for
-ulysses at 2M on 4 chips, 18.2% under (rms 6.9%, 41 points); on the small models' grid within 14.0% (rms 8.7%, 24 points). Every point was
-compiled again after the loss and MLP scheduling fixes of 2026-12-04 (trainer/model/loss.py,
+ulysses at 2M on 4 chips, 18.2% under (rms 6.9%, 41 points); on the small models' grid
+within 14.0% (rms 8.7%, 24 points). Every point was compiled again after the loss and MLP scheduling fixes of 2026-12-04 (trainer/model/loss.py,
 trainer/model/transformer.gradients_together), which moved the figures by up to 37% (ring on 64
 chips, offloaded); before them the estimate was within 14.0% / 24.5%, with usp (Ulysses
 degree above the KV heads) and all_gather at 8M on 64 chips outside 15%. The ring's and
@@ -58,7 +59,7 @@ from lctrain.parallel import STRATEGIES
 from lctrain.parallel.cost_model import F32, AttentionFootprint, Dims
 from lctrain.parallel.planner.layer_kinds import KindsCostModel
 from lctrain.parallel.planner.shapes import (Weights, checkpoint_shares, loss_chunks,
-                                             mlp_chunk_len, recomputed_inputs_per_group)
+                                             mlp_chunk_len)
 from lctrain.parallel.ring_cost import ring_attention_footprint
 from lctrain.parallel.strategy import ContextStrategy, stored_chunk_tokens
 from lctrain.recipes.schema import Recipe
@@ -195,8 +196,10 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
         "embedding_gradient": F32 * w.embedding if embedding_table_grad else 0.0,
         "layer_weights": 3 * p * w.layer_gathered + 2 * F32 * w.mlp_gathered,
         "layer_width": CALIBRATION["layer_width_tensors"] * tokens * dm.e * p,
+        # a checkpointed group's backward holds the inputs it recomputed: all but its
+        # first layer's (the recipe check keeps remat.layers_per_checkpoint <= layers)
         "group_inputs": (CALIBRATION["group_input_copies"] * tokens * dm.e * p
-                         * recomputed_inputs_per_group(L, recipe.remat.layers_per_checkpoint)),
+                         * (recipe.remat.layers_per_checkpoint - 1)),
         "layer_mlp": CALIBRATION["layer_backward"] * mlp_tokens * 5 * dm.f * p,
         "attention": _attention_working_set(strategy, dm),
         **_kernel_scratch(dm, footprint, impl, recipe),

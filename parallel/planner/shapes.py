@@ -188,12 +188,6 @@ def checkpoint_shares(layers: int, every: int) -> tuple[float, float]:
     return (groups + layers % every) / layers, groups * (every - 1) / layers
 
 
-def recomputed_inputs_per_group(layers: int, every: int) -> int:
-    """Layer inputs a checkpointed group's backward recomputes and holds at once: all but
-    its first layer's (none when no whole group forms)."""
-    return every - 1 if layers >= every else 0
-
-
 def loss_chunks(recipe: Recipe, c: int) -> tuple[int, int]:
     """(number of chunks, tokens per chunk per sequence per device) as trainer/model/loss.py
     cuts the local part of the sequence."""

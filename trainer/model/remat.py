@@ -30,23 +30,30 @@ def remat_policy(cfg: RematConfig) -> Callable | None:
         offload_src="device", offload_dst="pinned_host")
 
 
-def compiler_options(recipe: Recipe, platform: str) -> dict[str, str]:
-    """XLA options the train step compiles with, all for the TPU compiler.
+def tpu_compiler_settings(remat: RematConfig) -> dict[str, tuple[str, str]]:
+    """The remat keys set that are options of XLA's TPU compiler: recipe key -> (XLA
+    option, value).
 
     remat.recast_weights turns off its bf16 propagation, which moves each layer's
     float32-to-bf16 weight cast in front of the layer loop's slicing and then out of the
     loop: one bf16 copy of all the layers' weights, alive from the first layer's forward
     to the last one's backward. remat.compiler_remat_percent sets the HBM share its own
     rematerialization pass works towards."""
+    settings = {}
+    if remat.recast_weights:
+        settings["remat.recast_weights"] = ("xla_jf_bf16_propagation", "false")
+    if remat.compiler_remat_percent is not None:
+        settings["remat.compiler_remat_percent"] = (
+            "xla_jf_rematerialization_percent_shared_memory_limit",
+            str(remat.compiler_remat_percent))
+    return settings
+
+
+def compiler_options(recipe: Recipe, platform: str) -> dict[str, str]:
+    """XLA options the train step compiles with: tpu_compiler_settings' on a TPU."""
     if platform != "tpu":
         return {}
-    options = {}
-    if recipe.remat.recast_weights:
-        options["xla_jf_bf16_propagation"] = "false"
-    if recipe.remat.compiler_remat_percent is not None:
-        options["xla_jf_rematerialization_percent_shared_memory_limit"] = str(
-            recipe.remat.compiler_remat_percent)
-    return options
+    return dict(tpu_compiler_settings(recipe.remat).values())
 
 
 # libtpu (0.0.42.1 and 0.0.50.1) aborts compiling a layer scan that offloads a piece of 4 GiB

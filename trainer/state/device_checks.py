@@ -22,7 +22,7 @@ from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.parallel.mesh import slice_count
 from lctrain.recipes import Recipe, RecipeError, check_against_devices
 from lctrain.recipes.schema import require
-from lctrain.trainer.model.remat import layer_input_pieces
+from lctrain.trainer.model.remat import layer_input_pieces, tpu_compiler_settings
 
 
 class DevicePlan(NamedTuple):
@@ -75,13 +75,11 @@ def _check_strategies(recipe: Recipe, sizes: dict[str, int], platform: str,
 
 def tpu_compiler_notes(recipe: Recipe, platform: str) -> list[str]:
     """What the remat keys that are options of XLA's TPU compiler
-    (trainer/model/remat.compiler_options) do off a TPU: nothing."""
+    (trainer/model/remat.tpu_compiler_settings) do off a TPU: nothing."""
     if platform == "tpu":
         return []
-    keys = {"remat.recast_weights": recipe.remat.recast_weights,
-            "remat.compiler_remat_percent": recipe.remat.compiler_remat_percent is not None}
     return [f"{key} changes nothing on {platform} (it is about XLA's TPU compiler)"
-            for key, set_ in keys.items() if set_]
+            for key in tpu_compiler_settings(recipe.remat)]
 
 
 def kernel_note(impl: str, platform: str) -> str | None:
