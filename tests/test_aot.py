@@ -49,6 +49,10 @@ BF16, INT32 = 2, 4
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="TPU AOT compiles need libtpu (the tpu extra)")
 
+# The tests that share a compiled case run in one pytest-xdist worker, which compiles it once
+# (pyproject.toml: --dist loadgroup).
+shares_compiles = pytest.mark.xdist_group("test_aot_cases")
+
 
 def compiled(strategy: str, seq_len: int = S, extra: tuple[str, ...] = ()) -> aot.CompiledStats:
     return _compiled(strategy, seq_len, extra)  # one cache key per case, however it is called
@@ -73,6 +77,7 @@ def kv_bytes(tokens: int, heads: int = KV_HEADS) -> int:
     return tokens * heads * HEAD_DIM * BF16
 
 
+@shares_compiles
 @pytest.mark.slow
 @needs_libtpu
 def test_ring_rotations_match_the_code():
@@ -97,6 +102,7 @@ def test_ring_rotations_match_the_code():
     assert ring["all-gather"] == ring["all-to-all"] == ring["all-reduce"] == 0
 
 
+@shares_compiles
 @pytest.mark.slow
 @needs_libtpu
 def test_all_gather_traffic_matches_the_code():
@@ -185,6 +191,7 @@ def test_ring_memory_follows_the_chunk_all_gather_the_sequence():
     assert gather[1] - gather[0] > 3 * (ring[1] - ring[0])
 
 
+@shares_compiles
 @pytest.mark.slow
 @needs_libtpu
 def test_all_gather_memory_grows_linearly_with_the_sequence():
@@ -195,6 +202,7 @@ def test_all_gather_memory_grows_linearly_with_the_sequence():
     assert compiled("all_gather", 2 * S).temp_bytes < 2.2 * compiled("all_gather", S).temp_bytes
 
 
+@shares_compiles
 @pytest.mark.slow
 @needs_libtpu
 def test_chunked_mlp_gathers_its_weights_once_per_layer():
@@ -220,11 +228,12 @@ KERNEL_NAMES = {"pallas": ("lctrain_flash_forward", "lctrain_flash_backward"),
 
 @pytest.mark.slow
 @needs_libtpu
-@pytest.mark.parametrize("impl", ["pallas", "splash"])
-@pytest.mark.parametrize("topology, strategy", [
-    *[("v5p:2x2x1", strategy) for strategy in ("all_gather", "ulysses", "ring", "usp")],
-    # On tpu7x the two that call the kernel per ring step (CI time: one compile each).
-    ("tpu7x:2x2x1", "ring"), ("tpu7x:2x2x1", "usp")])
+@pytest.mark.parametrize("topology, strategy, impl", [
+    *[("v5p:2x2x1", strategy, impl) for strategy in ("all_gather", "ulysses", "ring", "usp")
+      for impl in ("pallas", "splash")],
+    # On tpu7x (two devices per chip) the two that call the kernel per ring step, with our
+    # kernel: splash's calls are placed by the same strategy code (CI time: one compile each).
+    ("tpu7x:2x2x1", "ring", "pallas"), ("tpu7x:2x2x1", "usp", "pallas")])
 def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
     """The whole train step with attention.impl=pallas (ours) or splash, compiled for the
     TPU with every device in the context axis (4 v5p chips; 8 devices on tpu7x, two per

@@ -230,6 +230,42 @@ def test_auto_uses_the_planner():
     assert "of 102.01 GB per device" in reason  # 95 GiB, in the one unit shown
 
 
+# ---------------------------------------------------------- remat options ----
+
+def test_the_plan_offloads_one_layer_input_in_k_and_recomputes_the_rest():
+    """llama3.1-8b at 128K on 4 v5p chips: groups of 2 halve the saved layer inputs, on the
+    host when offloaded (8.59 -> 4.29 GB) and on the device under full remat, hold the
+    group's recomputed input in its backward (group_input_copies of one), and add one
+    forward of half the layers."""
+    sets = ["model.preset=llama3.1-8b", "model.dtype=bfloat16", "mesh.data=1",
+            "mesh.context=4", "parallel.strategy=all_gather", "data.seq_len=131072",
+            "data.batch_size=1"]
+
+    def plans(remat):
+        return (planner.estimate(
+            load_recipe("tiny", [*sets, *remat, f"remat.layers_per_checkpoint={k}"]),
+            CONTEXT4, V5P, "all_gather") for k in (1, 2))
+
+    one_input = 131072 // 4 * 4096 * 2
+    every_1, every_2 = plans(["remat.policy=custom",
+                              "remat.tensors={decoder_layer_input: offload}"])
+    assert every_1.host_bytes == 32 * one_input and every_2.host_bytes == 16 * one_input
+    assert every_1.memory["group_inputs"] == 0
+    assert every_2.memory["group_inputs"] == planner.CALIBRATION["group_input_copies"] * one_input
+    assert every_2.memory["activations"] == every_1.memory["activations"] == 0
+    full_1, full_2 = plans(["remat.policy=full"])
+    assert full_2.memory["activations"] == full_1.memory["activations"] / 2 > 0
+    assert every_2.compute_s > every_1.compute_s
+
+
+def test_the_plan_says_it_leaves_out_the_compilers_own_remat():
+    from lctrain.parallel.planner.accuracy import estimate_note
+    without = estimate_note(load_recipe("tiny"), CONTEXT4) or ""  # other libtpus add a note
+    note = estimate_note(load_recipe("tiny", ["remat.compiler_remat_percent=85"]), CONTEXT4)
+    assert "remat.compiler_remat_percent" not in without
+    assert "remat.compiler_remat_percent" in note and "--compile" in note
+
+
 # ------------------------------------------------------------------ max seq ----
 
 @pytest.mark.parametrize("limit", [1, 127, 128, 4096, 5000, 1_000_000])

@@ -38,6 +38,10 @@ from lctrain.trainer.train.loop import train
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="TPU AOT compiles need libtpu (the tpu extra)")
 
+# The tests that share a compiled case run in one pytest-xdist worker, which compiles it once
+# (pyproject.toml: --dist loadgroup).
+shares_compiles = pytest.mark.xdist_group("test_remat_aot")
+
 TOPOLOGY = "v5p:2x2x1"
 DEVICES = 4
 LAYERS, D_MODEL, SEQ_LEN, BATCH = 64, 128, 1024, 32
@@ -83,6 +87,7 @@ def close(actual: int, expected: int, tolerance: float = 0.1) -> bool:
     return abs(actual - expected) <= tolerance * expected
 
 
+@shares_compiles
 @pytest.mark.slow
 @needs_libtpu
 def test_offloading_the_layer_input_moves_it_to_host_memory():
@@ -103,6 +108,7 @@ def test_offloading_the_layer_input_moves_it_to_host_memory():
     assert minimal.peak_memory_in_bytes > full.peak_memory_in_bytes + LAYER_INPUTS
 
 
+@shares_compiles
 @pytest.mark.slow
 @needs_libtpu
 def test_mixed_layer_kinds_offload_every_layer_input_and_cost_no_more():
@@ -117,6 +123,7 @@ def test_mixed_layer_kinds_offload_every_layer_input_and_cost_no_more():
         mixed.peak_memory_in_bytes, offload.peak_memory_in_bytes)
 
 
+@shares_compiles
 @pytest.mark.slow
 @needs_libtpu
 def test_a_checkpoint_every_two_layers_offloads_half_the_layer_inputs():
@@ -130,6 +137,7 @@ def test_a_checkpoint_every_two_layers_offloads_half_the_layer_inputs():
     assert every_2.peak_memory_in_bytes <= 1.05 * offload.peak_memory_in_bytes
 
 
+@shares_compiles
 @pytest.mark.slow
 @needs_libtpu
 def test_recast_weights_drops_the_compute_dtype_copy_of_the_layer_stacks():
@@ -148,6 +156,7 @@ def test_recast_weights_drops_the_compute_dtype_copy_of_the_layer_stacks():
     assert drop >= 0.75 * layer_weights_bf16, (drop, layer_weights_bf16)
 
 
+@shares_compiles
 @pytest.mark.slow
 @needs_libtpu
 def test_offloading_the_optimizer_state_moves_the_moments_to_host_memory():
@@ -254,33 +263,6 @@ def test_sparser_checkpoints_keep_a_rings_loss_and_gradients(every):
         np.testing.assert_allclose(got, ref, atol=1e-5 * np.max(np.abs(ref)), rtol=0)
 
 
-def test_the_plan_offloads_one_layer_input_in_k_and_recomputes_the_rest():
-    """llama3.1-8b at 128K on 4 v5p chips: groups of 2 halve the saved layer inputs, on the
-    host when offloaded (8.59 -> 4.29 GB) and on the device under full remat, hold the
-    group's recomputed input in its backward (group_input_copies of one), and add one
-    forward of half the layers."""
-    from lctrain.parallel.chips import CHIPS
-    from lctrain.parallel.planner import CALIBRATION, estimate
-    sets = ["model.preset=llama3.1-8b", "model.dtype=bfloat16", "mesh.data=1",
-            "mesh.context=4", "parallel.strategy=all_gather", "data.seq_len=131072",
-            "data.batch_size=1"]
-    sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
-
-    def plans(remat):
-        return (estimate(load_recipe("tiny", [*sets, *remat, f"remat.layers_per_checkpoint={k}"]),
-                         sizes, CHIPS["v5p"], "all_gather") for k in (1, 2))
-
-    one_input = 131072 // 4 * 4096 * 2
-    every_1, every_2 = plans(CASES["offload"])
-    assert every_1.host_bytes == 32 * one_input and every_2.host_bytes == 16 * one_input
-    assert every_1.memory["group_inputs"] == 0
-    assert every_2.memory["group_inputs"] == CALIBRATION["group_input_copies"] * one_input
-    assert every_2.memory["activations"] == every_1.memory["activations"] == 0
-    full_1, full_2 = plans(CASES["full"])
-    assert full_2.memory["activations"] == full_1.memory["activations"] / 2 > 0
-    assert every_2.compute_s > every_1.compute_s
-
-
 @pytest.mark.parametrize("sets, words", [
     (["remat.layers_per_checkpoint=0"], "use 1 to model.layers"),
     (["remat.layers_per_checkpoint=3", "model.layers=2"], r"use 1 to model.layers \(2\)"),
@@ -296,15 +278,6 @@ def test_sparser_checkpoints_are_refused_where_they_do_not_apply(sets, words):
 def test_a_compiler_remat_percent_outside_the_hbm_is_refused(percent):
     with pytest.raises(RecipeError, match=rf"remat.compiler_remat_percent.*{percent}.*1 to 100"):
         load_recipe("tiny", [f"remat.compiler_remat_percent={percent}"])
-
-
-def test_the_plan_says_it_leaves_out_the_compilers_own_remat():
-    from lctrain.parallel.planner.accuracy import estimate_note
-    sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
-    without = estimate_note(load_recipe("tiny"), sizes) or ""  # other libtpus add a note
-    note = estimate_note(load_recipe("tiny", ["remat.compiler_remat_percent=85"]), sizes)
-    assert "remat.compiler_remat_percent" not in without
-    assert "remat.compiler_remat_percent" in note and "--compile" in note
 
 
 def test_offloaded_optimizer_state_trains_and_resumes_like_on_device(tmp_path, full_losses):
