@@ -20,9 +20,9 @@ def validate_linear_layers(recipe: Recipe) -> None:
     require(name in LINEAR_STRATEGIES,
             "parallel.strategy" + (".linear" if isinstance(recipe.parallel.strategy, dict)
                                    else ""), name,
-            f"linear (Gated DeltaNet) layers run on state_passing (none where mesh.context "
-            f"is 1), not on an attention strategy; give them "
-            f"parallel.strategy={{linear: state_passing, ...}}")
+            "linear (Gated DeltaNet) layers run on state_passing (none where mesh.context "
+            "is 1), not on an attention strategy; give them "
+            "parallel.strategy={linear: state_passing, ...}")
 
 
 def _validate_linear_keys(m: ModelConfig) -> None:

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.parallel import make_strategy
 from lctrain.recipes import RecipeError, load_recipe
-from lctrain.trainer.model.transformer import Transformer, rotary_tables
+from lctrain.trainer.model.rope import rotary_tables
+from lctrain.trainer.model.transformer import Transformer
 from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import make_forward
 

@@ -11,7 +11,8 @@ from flax import nnx
 from lctrain.kernels import attention
 from lctrain.recipes import load_recipe
 from lctrain.trainer.model.loss import next_token_loss
-from lctrain.trainer.model.transformer import Transformer, rope_frequencies
+from lctrain.trainer.model.rope import rope_frequencies
+from lctrain.trainer.model.transformer import Transformer
 
 
 def config(**overrides):

@@ -32,9 +32,7 @@ from lctrain.trainer.model.gdn_layer import GatedDeltaNet
 from lctrain.trainer.model.layer_scan import (layer_input, scan_layer_groups,
                                               scan_layers_by_kind)
 from lctrain.trainer.model.params import param as _param, weight as _weight
-# rope_frequencies and rotary_tables stay importable from here.
-from lctrain.trainer.model.rope import (apply_rope, kind_config, rope_frequencies,  # noqa: F401
-                                        rotary_tables)
+from lctrain.trainer.model.rope import apply_rope, kind_config, rotary_tables
 
 
 class Attend(Protocol):

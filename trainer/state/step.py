@@ -161,9 +161,9 @@ def make_train_step(recipe: Recipe, trainable: Trainable, strategy: LayerStrateg
         (loss_sum, aux), grad_sums = accumulate(state.params, batch)
         token_count = jnp.maximum(aux.tokens, 1.0)
         grads = jax.tree.map(lambda g: g / token_count, grad_sums)
-        # optimizer.offload: moments from host memory for the update, then back. (XLA's TPU
-        # compiler starts that copy at the top of the step, an optimization barrier on the
-        # gradients notwithstanding, so it saves HBM between steps, not at the step's peak.)
+        # optimizer.offload: moments from host memory for the update, then back. (It saves
+        # HBM between steps, not at the step's compiled peak, which rises by about the
+        # moments' size although XLA's TPU compiler schedules the copies after the backward.)
         opt_shardings = trainable.state_shardings.opt_state
         opt_state = _moved(state.opt_state, opt_shardings, "device")
         updates, opt_state = trainable.optimizer.update(grads, opt_state, state.params)
