@@ -6,7 +6,6 @@ implies (slow, needs libtpu; the HLO collective counter itself: tests/test_hlo.p
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 
 import pytest
@@ -15,6 +14,7 @@ from lctrain.parallel import aot
 from lctrain.parallel.hlo_kernels import relayouts_next_to_kernels
 from lctrain.recipes import load_recipe
 from lctrain.trainer.state import build
+from tpu_aot import needs_libtpu, one_worker
 
 
 def test_hbm_bytes_subtracts_the_aliased_state_once():
@@ -46,12 +46,7 @@ MODEL = load_recipe("tiny", list(MODEL_SETS)).model
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = MODEL.layers, MODEL.n_heads, MODEL.n_kv_heads, MODEL.head_dim
 BF16, INT32 = 2, 4
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="TPU AOT compiles need libtpu (the tpu extra)")
-
-# The tests that share a compiled case run in one pytest-xdist worker, which compiles it once
-# (pyproject.toml: --dist loadgroup).
-shares_compiles = pytest.mark.xdist_group("test_aot_cases")
+shares_compiles = one_worker("test_aot_cases")  # the tests that share a compiled case
 
 
 def compiled(strategy: str, seq_len: int = S, extra: tuple[str, ...] = ()) -> aot.CompiledStats:

@@ -4,8 +4,6 @@ train step sends across slices (slow, needs libtpu)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import numpy as np
 import pytest
@@ -17,10 +15,9 @@ from lctrain.parallel.chips import CHIPS
 from lctrain.parallel.mesh import MESH_AXES, build_mesh
 from lctrain.parallel.planner.traffic import dcn_bytes
 from lctrain.recipes import RecipeError, check_against_devices, load_recipe
+from tpu_aot import needs_libtpu
 
 V5P = CHIPS["v5p"]
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="TPU topologies need libtpu (the tpu extra)")
 # tests/test_planner.py's tiny model (2 layers, width 128, 8 query / 2 KV heads of 16,
 # d_ff 384, vocab 128, bf16), two sequences of 4096 tokens.
 TINY = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_heads=8",

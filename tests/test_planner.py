@@ -5,7 +5,6 @@ tests/test_plan_command.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 
@@ -16,6 +15,7 @@ from lctrain.parallel import planner
 from lctrain.parallel.auto import choose_strategy
 from lctrain.parallel.chips import CHIPS
 from lctrain.recipes import load_recipe
+from tpu_aot import needs_libtpu
 
 V5P = CHIPS["v5p"]
 CONTEXT4 = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
@@ -316,9 +316,6 @@ def test_estimate_grows_with_the_sequence():
 # collective bytes (parallel/aot.py's counting). Each case is one compile (30 s to a few
 # minutes on two cores), so the default grid is small; LCTRAIN_PLANNER_GRID=full runs the
 # whole grid of the issue (2 models x 3 strategies x 2 remat policies x 2 lengths).
-
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="TPU AOT compiles need libtpu (the tpu extra)")
 
 MODELS = {
     "tiny512": ("model.d_model=512", "model.n_heads=8", "model.n_kv_heads=2",

@@ -6,11 +6,11 @@ still says what the compiler does."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from tpu_aot import needs_libtpu
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmarks are scripts, not a package
@@ -82,10 +82,6 @@ def test_a_recompiled_point_replaces_its_record(tmp_path):
         grid.store(record, path)
     assert [(r["overrides"], r["hbm_bytes"]) for r in grid.load_records(path)] == [
         (["a=2"], 1), (["a=1"], 2)]
-
-
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="TPU AOT compiles need libtpu (the tpu extra)")
 
 
 @pytest.mark.slow

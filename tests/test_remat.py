@@ -17,7 +17,6 @@ temporaries' allocation, falls by more than E (1.46 x E), so it is only bounded 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import re
 import shutil
@@ -34,13 +33,9 @@ from lctrain.trainer.model.remat import compiler_options
 from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import build_trainable
 from lctrain.trainer.train.loop import train
+from tpu_aot import needs_libtpu, one_worker
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="TPU AOT compiles need libtpu (the tpu extra)")
-
-# The tests that share a compiled case run in one pytest-xdist worker, which compiles it once
-# (pyproject.toml: --dist loadgroup).
-shares_compiles = pytest.mark.xdist_group("test_remat_aot")
+shares_compiles = one_worker("test_remat_aot")  # the tests that share a compiled case
 
 TOPOLOGY = "v5p:2x2x1"
 DEVICES = 4
@@ -323,7 +318,6 @@ def test_offload_needs_pinned_host_memory():
     with pytest.raises(RecipeError, match="remat.tensors.decoder_layer_input"):
         check_host_memory(recipe, {"device"})
     assert "pinned_host" in {memory.kind for memory in jax.devices()[0].addressable_memories()}
-
 
 
 # --------------------------------- the MLP's weight gradients before attention's ----

@@ -8,6 +8,7 @@ terminal (parallel/native_stderr.py).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Callable
 
 import jax
@@ -16,6 +17,16 @@ from jax.sharding import Mesh
 
 from lctrain.parallel.aot import topology_devices
 from lctrain.parallel.mesh import build_mesh
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="TPU AOT compiles need libtpu (the tpu extra)")
+
+
+def one_worker(group: str) -> pytest.MarkDecorator:
+    """Runs the tests marked with `group` in one pytest-xdist worker (pyproject.toml:
+    --dist=loadgroup), so that a compiled case they share (a functools.cache) compiles
+    once, not once per worker."""
+    return pytest.mark.xdist_group(group)
 
 
 def tpu_mesh(topology: str, axis_sizes: dict[str, int]) -> Mesh:

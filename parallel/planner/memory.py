@@ -38,9 +38,10 @@ estimate is within 11.2% of XLA's per-chip HBM (rms 5.0%, 32 points); on the hel
 (256K, 1M on 4 chips, 512K and 2M with MLP chunks, 128K with recipes/llama3_8b_128k.yaml's
 settings, and in groups of two layers at 128K and 2M; 2M, 8M on 64) within 14.7% but for
 ulysses at 2M on 4 chips, 18.2% under (rms 6.9%, 41 points); on the small models' grid
-within 14.0% (rms 8.7%, 24 points). Every point was compiled again after the loss and MLP scheduling fixes of 2026-12-04 (trainer/model/loss.py,
-trainer/model/transformer.gradients_together), which moved the figures by up to 37% (ring on 64
-chips, offloaded); before them the estimate was within 14.0% / 24.5%, with usp (Ulysses
+within 14.0% (rms 8.7%, 24 points). Every point was compiled again after the loss and MLP
+scheduling fixes of 2026-12-04 (trainer/model/loss.py,
+trainer/model/transformer.gradients_together), which moved the figures by up to 37% (ring
+on 64 chips, offloaded); before them the estimate was within 14.0% / 24.5%, with usp (Ulysses
 degree above the KV heads) and all_gather at 8M on 64 chips outside 15%. The ring's and
 usp's points were compiled again on 2026-12-05 after the ring backward's new order
 (parallel/ring.py: the 1M recipe 83.71 -> 76.19 GB, so its estimate is now 11.2% high;
