@@ -203,8 +203,9 @@ def test_recommendation_prefers_what_fits():
 
 
 def test_compiled_figures_decide_the_recommendation():
-    """With --compile XLA's peak, not the estimate, says what fits: the estimated choice
-    refused by the compiler (or over the chip's HBM) hands the recommendation on."""
+    """With --compile the compiler, not the estimate, says what fits: the estimated choice
+    refused by the compiler (or over the host's memory) hands the recommendation on; a
+    program it compiled fits even where memory_analysis()'s sum is above the HBM."""
     result = planner.plan(tiny(), V5P, CONTEXT4)
     estimated_choice = result.choice
     for strategy_plan in result.plans:
@@ -217,7 +218,12 @@ def test_compiled_figures_decide_the_recommendation():
     assert f"{estimated_choice.name} would not fit" in reason and "1.07 GB of 102.80 GB" in reason
     assert "compiled" in reason
     for strategy_plan in result.plans:
-        strategy_plan.compiled["hbm_bytes"] = V5P.hbm_bytes + 1
+        strategy_plan.compiled["hbm_bytes"] = V5P.hbm_bytes + 1e9
+    choice, reason = planner.recommend(result.plans)
+    assert choice.deciding_fits and "103.80 GB of 102.80 GB" in reason
+    assert "compiler accepted it" in reason and "docs/memory.md" in reason
+    for strategy_plan in result.plans:
+        strategy_plan.compiled["host_bytes"] = V5P.host_bytes + 1
     choice, reason = planner.recommend(result.plans)
     assert "none fits" in reason and not any(p.deciding_fits for p in result.plans)
 

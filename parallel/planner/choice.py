@@ -31,6 +31,17 @@ def _figure_source(plan: StrategyPlan) -> str:
     return "compiled" if (plan.compiled or {}).get("hbm_bytes") is not None else "estimated"
 
 
+def _fit_figures(plan: StrategyPlan) -> str:
+    """'41.8 GB of 102.8 GB per device, compiled', saying so where XLA's sum is above the
+    HBM of a program the compiler accepted (results.fits_as_compiled)."""
+    figures = (f"{gigabytes(plan.deciding_hbm_bytes)} of {gigabytes(plan.hbm_capacity)} per "
+               f"device, {_figure_source(plan)}")
+    if plan.deciding_hbm_bytes > plan.hbm_capacity:
+        figures += ("; XLA's TPU compiler accepted it, and its memory_analysis() sum overstates "
+                    "what the chip holds: docs/memory.md")
+    return figures
+
+
 def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
     """Among the plans that fit (StrategyPlan.deciding_fits: compiled figures where there
     are any), the fastest estimated step (StrategyPlan.step_s); within TIE of it, the
@@ -49,8 +60,7 @@ def recommend(plans: list[StrategyPlan]) -> tuple[StrategyPlan | None, str]:
     best = min(near, key=lambda p: STRATEGIES[p.strategy].simplicity)
     bound = "communication" if best.comm_s > best.compute_s else "compute"
     speed = "fastest" if best.step_s == fastest else "near-fastest"
-    reason = (f"fits ({gigabytes(best.deciding_hbm_bytes)} of {gigabytes(best.hbm_capacity)} "
-              f"per device, {_figure_source(best)}) with the {speed} estimated step "
+    reason = (f"fits ({_fit_figures(best)}) with the {speed} estimated step "
               f"({bound}-bound, MFU <= {best.mfu_bound:.0%})")
     if len(near) > 1:
         reason += f"; simplest of {', '.join(p.name for p in near)} (within {TIE - 1:.1%})"

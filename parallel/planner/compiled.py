@@ -29,7 +29,7 @@ from lctrain.parallel.chips import Chip
 from lctrain.parallel.planner.choice import recommend
 from lctrain.parallel.planner.estimate import recipe_for_plan
 from lctrain.parallel.planner.results import (ABORTED, COMPILER_FAILED, REFUSED, Plan,
-                                              is_xla_error)
+                                              fits_as_compiled, is_xla_error)
 from lctrain.recipes import RecipeError
 from lctrain.recipes.schema import Recipe
 
@@ -83,8 +83,9 @@ def compile_figures(recipe: Recipe, devices, compile_step: CompileStep) -> dict:
 
 
 def compiled_fits(figures: dict, chip: Chip) -> bool:
-    return (figures.get("hbm_bytes") is not None and figures["hbm_bytes"] <= chip.hbm_bytes
-            and (figures.get("host_bytes") or 0) <= chip.host_bytes)
+    """fits_as_compiled, of compile_figures' figures."""
+    return fits_as_compiled(figures.get("hbm_bytes"), figures.get("host_bytes"),
+                                 chip.host_bytes)
 
 
 # --------------------------------------------------------------------- cache ----

@@ -147,10 +147,20 @@ class StrategyPlan:
             "comm_gap_percent": (gap_percent(self.comm_bytes,
                                              sum(c["collective_bytes"].values()))
                                  if c.get("collective_bytes") else None),
-            "compiled_fits": (hbm is not None and hbm <= self.hbm_capacity
-                              and (host or 0) <= self.host_capacity),
+            "compiled_fits": fits_as_compiled(hbm, host, self.host_capacity),
             "compile_error": c.get("error"),
         }
+
+
+def fits_as_compiled(hbm_bytes: float | None, host_bytes: float | None,
+                  host_capacity: float) -> bool:
+    """Whether a program XLA compiled for a TPU fits the chip. libtpu refuses a program
+    whose buffers exceed the chip's HBM (RESOURCE_EXHAUSTED, no figures), so having a
+    figure means it fits. The figure, memory_analysis()'s sum of arguments, outputs and
+    temporaries (what MaxText prints too), is not compared with the HBM: its temporaries
+    count more than the chip reserves for them, and steps whose sum was up to 17% above a
+    v5e's HBM ran on it (docs/memory.md). Host memory, which nothing else checks, is."""
+    return hbm_bytes is not None and (host_bytes or 0) <= host_capacity
 
 
 def gap_percent(estimate: float, compiled: float | None) -> float | None:
