@@ -199,9 +199,10 @@ def compiler_failure(name: str, err: BaseException) -> CompiledNeed | None:
     return CompiledNeed(name, 0, refused=f"{COMPILER_FAILED}: {str(err).splitlines()[0][:300]}")
 
 
-# XLA's TPU compiler refuses a program over HBM with "Used 97.24G of 95.74G hbm", in binary
-# units.
-_COMPILER_NEED = re.compile(r"Used ([\d.]+)([KMGT])i?B? of")
+# XLA's TPU compiler refuses a program over HBM with "Used 97.24G of 95.74G hbm" or (libtpu
+# 0.0.42) "the total memory required for HLO temporaries (97.06G) exceeds available HBM", in
+# binary units.
+_COMPILER_NEED = re.compile(r"(?:Used |HLO temporaries \()([\d.]+)([KMGT])i?B?(?: of|\))")
 
 
 def refused_need(name: str, message: str) -> CompiledNeed:
