@@ -85,7 +85,7 @@ def compile_figures(recipe: Recipe, devices, compile_step: CompileStep) -> dict:
 def compiled_fits(figures: dict, chip: Chip) -> bool:
     """fits_as_compiled, of compile_figures' figures."""
     return fits_as_compiled(figures.get("hbm_bytes"), figures.get("host_bytes"),
-                                 chip.host_bytes)
+                            chip.host_bytes)
 
 
 # --------------------------------------------------------------------- cache ----

@@ -153,7 +153,7 @@ class StrategyPlan:
 
 
 def fits_as_compiled(hbm_bytes: float | None, host_bytes: float | None,
-                  host_capacity: float) -> bool:
+                     host_capacity: float) -> bool:
     """Whether a program XLA compiled for a TPU fits the chip. libtpu refuses a program
     whose buffers exceed the chip's HBM (RESOURCE_EXHAUSTED, no figures), so having a
     figure means it fits. The figure, memory_analysis()'s sum of arguments, outputs and

@@ -55,9 +55,8 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
     first choice, then of the next while it does not fit) and prints the compiled figure.
     On a TPU a program fits when XLA compiles it; elsewhere when XLA's figure is within
     `memory_limit` per device, by default the GPU's memory, and none on CPU (fake devices
-    share the host's RAM). The recipe ends
-    up naming the strategy that runs. `plan` is what the device checks found, when the
-    caller ran them (trainer/train/preflight.py)."""
+    share the host's RAM). The recipe ends up naming the strategy that runs. `plan` is
+    what the device checks found, when the caller ran them (trainer/train/preflight.py)."""
     devices = jax.devices() if devices is None else devices
     _, candidates = plan or check_devices(recipe, devices, console)
     platform = devices[0].platform
