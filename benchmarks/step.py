@@ -31,14 +31,18 @@ from lctrain.trainer.outputs.failures import RunFailure
 from lctrain.trainer.state.build import compile_run, device_batch
 from lctrain.trainer.train.loop import Throughput
 
-LLAMA = ["model.head_dim=128", "model.vocab=128256", "model.dtype=bfloat16",
+LLAMA = ["model.vocab=128256", "model.dtype=bfloat16",
          "model.rope_theta=500000"]
-# Llama 3.2 1B and 3B, and Llama 3.1 8B: the shapes of the published configs.
+# Llama 3.2 1B and 3B, and Llama 3.1 8B: the shapes of the published configs; "1b-h128" is
+# 1B's widths with 32 heads of 128, the shape of the first rows timed on a v5e.
+LLAMA_1B = [*LLAMA, "model.layers=16", "model.d_model=2048", "model.n_heads=32",
+            "model.n_kv_heads=8", "model.d_ff=8192", "model.tie_embeddings=true"]
 MODELS = {
-    "1b": [*LLAMA, "model.layers=16", "model.d_model=2048", "model.n_heads=32",
-           "model.n_kv_heads=8", "model.d_ff=8192", "model.tie_embeddings=true"],
+    "1b": [*LLAMA_1B, "model.head_dim=64"],
+    "1b-h128": [*LLAMA_1B, "model.head_dim=128"],
     "3b": [*LLAMA, "model.layers=28", "model.d_model=3072", "model.n_heads=24",
-           "model.n_kv_heads=8", "model.d_ff=8192", "model.tie_embeddings=true"],
+           "model.head_dim=128", "model.n_kv_heads=8", "model.d_ff=8192",
+           "model.tie_embeddings=true"],
     "8b": ["model.preset=llama3.1-8b", "model.dtype=bfloat16"],
 }
 RUN = ["remat.policy=full", "parallel.strategy=auto", "mesh.data=1", "mesh.context=-1",

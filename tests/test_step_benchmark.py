@@ -65,3 +65,13 @@ def test_attention_accuracy_check_measures_bf16_rounding_and_nothing_else():
     errors = benchmark("attention").kernel_errors("pallas", 512, "packed")
     assert set(errors) == {"out", "lse", "dq", "dk", "dv"}
     assert all(1e-4 < error < 2e-2 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("model, published", [("1b", 1_235_814_400), ("3b", 3_212_749_824),
+                                              ("8b", 8_030_261_248)])
+def test_model_shapes_have_the_published_parameter_counts(model, published):
+    """The counts of Llama 3.2 1B and 3B and Llama 3.1 8B's safetensors."""
+    from lctrain.parallel.planner.shapes import count_parameters
+
+    recipe = load_recipe("tiny", benchmark("step").MODELS[model])
+    assert count_parameters(recipe.model) == published

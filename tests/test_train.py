@@ -216,3 +216,20 @@ def test_logged_loss_is_the_cross_entropy_and_the_z_loss_is_apart():
     assert objective - cross_entropy > 0.1  # the z-loss term is not negligible here
     assert float(metrics["loss"]) == pytest.approx(cross_entropy, rel=1e-6)
     assert float(metrics["z_loss"]) == pytest.approx(objective - cross_entropy, rel=1e-5)
+
+
+def test_a_first_step_logged_alone_reports_its_whole_duration(tmp_path, monkeypatch):
+    """log_every 1: step 1's time covers its call (the program's load included), so it is
+    no shorter than a later step and its MFU stays under 100%, with a peak at which a 0.1
+    ms step would be 100%. The first report used to time the few microseconds after the
+    step (MFU 261,743% on a v5e)."""
+    from lctrain.trainer.train import loop
+
+    recipe = load_recipe("tiny", ["data.seq_len=64", "train.steps=3", "runtime.log_every=1",
+                                  "checkpoint.every=0"])
+    per_step = loop.training_flops_per_token(recipe.model, 64) * 64 * recipe.data.batch_size
+    monkeypatch.setattr(loop, "peak_flops", lambda kind: per_step / 1e-4)
+    records = train(recipe, tmp_path, devices=jax.devices()[:1])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["step_time_s"] >= records[1]["step_time_s"]
+    assert all(r["mfu"] < 1 for r in records), records

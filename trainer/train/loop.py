@@ -131,7 +131,9 @@ class StopSignal:
 
 
 class Throughput:
-    """Step time, tokens/s and MFU over the steps since the last report, compile excluded."""
+    """Step time, tokens/s and MFU over the steps since the last report, compile excluded.
+    A report of the first step alone covers its whole call, the program's load included:
+    never less than the step took."""
 
     def __init__(self, recipe: Recipe, mesh: Mesh):
         self.tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
@@ -146,7 +148,7 @@ class Throughput:
         self.start, self.steps = time.perf_counter(), 0
 
     def report(self) -> dict[str, float]:
-        step_time = (time.perf_counter() - self.start) / max(self.steps, 1)
+        step_time = (time.perf_counter() - self.start) / self.steps
         figures = {"step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
         if self.peak:
             figures["mfu"] = self.flops_per_step / step_time / (self.peak * self.chips)
@@ -172,13 +174,15 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
             step, next_batch = step + 1, next_batch + 1
             throughput.steps += 1
             finite.push(step, metrics)
+            logging = step % recipe.runtime.log_every == 0 or step == total
             if step == first_step + 1:
                 jax.block_until_ready(metrics)
                 console.print(f"first step took "
                               f"{time.perf_counter() - throughput.start:.1f} s")
-                throughput.restart()
+                if not logging:  # the program's load stays out of later reports
+                    throughput.restart()
             figures = None
-            if step % recipe.runtime.log_every == 0 or step == total:
+            if logging:
                 record = {k: float(v) for k, v in jax.device_get(metrics).items()
                           if k != "finite"}
                 record.update(throughput.report())
