@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from lctrain.recipes.schema import RecipeError
+from lctrain.trainer.data.tokenizer import TokenizerError
 from lctrain.trainer.outputs.files import OutputError
 
 
@@ -78,7 +79,7 @@ def _in_gb(amount: str) -> str:
 def explain(err: BaseException) -> tuple[str, int] | None:
     """(one-line message, exit code) for an expected failure; None for a bug. Exit 2 is bad
     input found before anything compiled, exit 1 a run or command that failed."""
-    if isinstance(err, (RecipeError, DataError, OutputError)):
+    if isinstance(err, (RecipeError, DataError, OutputError, TokenizerError)):
         return str(err), 2
     if isinstance(err, RunFailure):
         return str(err), 1

@@ -18,6 +18,7 @@ from lctrain.parallel import attention_kernels, describe_devices
 from lctrain.parallel.planner.shapes import count_parameters
 from lctrain.recipes import Recipe
 from lctrain.trainer.data.mixture import MixtureSource, long_token_share, tokens_per_source
+from lctrain.trainer.data.provenance import write_record
 from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.evaluation.evaluate import Evaluator
 from lctrain.trainer.hf.weights import initial_state
@@ -54,6 +55,8 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
         (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        if checked.tokenizer_record is not None:
+            write_record(run_dir, checked.tokenizer_record)
     checkpointer = Checkpointer(run_dir / "checkpoints", recipe.checkpoint)
     state, next_batch = (stage_start(init_from, recipe, trainable, run_dir, console) if init_from
                          else _initial_state(recipe, trainable, checkpointer, console))

@@ -20,7 +20,10 @@ from rich.console import Console
 
 from lctrain.recipes import Recipe
 from lctrain.trainer.data.checks import check_data
+from lctrain.trainer.data.provenance import (PlannedRecord, check_against_record, plan_record,
+                                             read_record)
 from lctrain.trainer.evaluation.retrieval import check_retrieval
+from lctrain.trainer.state.checkpoint import saved_steps
 from lctrain.trainer.state.device_checks import DevicePlan, check_devices
 from lctrain.trainer.train.init_from import InitFrom, checked_init_from
 from lctrain.trainer.train.resume import check_rerun
@@ -31,6 +34,7 @@ class RunPlan(NamedTuple):
     devices: DevicePlan
     init_from: InitFrom | None  # its step resolved; None when the run dir resumes
     rerun_note: str | None  # what changed since the run dir's recipe, when it may
+    tokenizer_record: PlannedRecord | None  # what a fresh run dir records; None on a resume
 
 
 def check_run(recipe: Recipe, run_dir: Path, devices=None, init_from: InitFrom | None = None,
@@ -40,5 +44,17 @@ def check_run(recipe: Recipe, run_dir: Path, devices=None, init_from: InitFrom |
     if recipe.eval.every:
         check_retrieval(recipe)
     rerun_note = check_rerun(recipe, run_dir)
+    tokenizer_record = _tokenizer_record(recipe, run_dir)
     init_from = checked_init_from(init_from, recipe, run_dir, console)
-    return RunPlan(check_devices(recipe, devices, console), init_from, rerun_note)
+    return RunPlan(check_devices(recipe, devices, console), init_from, rerun_note,
+                   tokenizer_record)
+
+
+def _tokenizer_record(recipe: Recipe, run_dir: Path) -> PlannedRecord | None:
+    """A resumed run reads data of the tokenizer it trained with (a run dir from before
+    records were kept is taken as it is); a fresh one plans its record."""
+    if saved_steps(run_dir / "checkpoints"):
+        if read_record(run_dir) is not None:
+            check_against_record(recipe.data, run_dir, "data")
+        return None
+    return plan_record(recipe)
