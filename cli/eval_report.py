@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from lctrain.trainer.outputs.files import written_into
+
 
 def render_table(result: dict, console: Console) -> None:
     buckets = result["by_position"]
@@ -50,17 +52,24 @@ def _samples(count: int) -> str:
     return f"{count} sample" + ("" if count == 1 else "s")
 
 
+def eval_owns(name: str) -> bool:
+    """Whether a file of this name is one `lctrain eval` writes (--overwrite replaces an
+    earlier eval's, and nothing else in the folder)."""
+    return name in ("eval.json", "loss_by_position.png") or name.endswith("_heatmap.png")
+
+
 def write_outputs(result: dict, out_dir: Path) -> list[Path]:
-    """eval.json and loss_by_position.png in out_dir; returns their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, plot_path = out_dir / "eval.json", out_dir / "loss_by_position.png"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    _save(by_position_figure(result), plot_path)
-    written = [json_path, plot_path]
+    """eval.json and loss_by_position.png (and the retrieval heatmap) in out_dir, in place
+    of an earlier eval's; returns their paths."""
+    names = ["eval.json", "loss_by_position.png"]
     if "retrieval" in result:
-        written.append(out_dir / f"{result['retrieval']['task']}_heatmap.png")
-        _save(heatmap_figure(result["retrieval"], result["weights"]), written[-1])
-    return written
+        names.append(f"{result['retrieval']['task']}_heatmap.png")
+    with written_into(out_dir, eval_owns) as staging:
+        (staging / names[0]).write_text(json.dumps(result, indent=2) + "\n")
+        _save(by_position_figure(result), staging / names[1])
+        if "retrieval" in result:
+            _save(heatmap_figure(result["retrieval"], result["weights"]), staging / names[2])
+    return [out_dir / name for name in names]
 
 
 def _pyplot():

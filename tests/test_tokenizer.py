@@ -325,6 +325,17 @@ def test_tokenize_refuses_an_existing_out_unless_overwrite(hf_dir, token_file, t
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_overwrite_never_replaces_a_folder_with_the_token_file(hf_dir, tmp_path):
+    folder = tmp_path / "data.bin"  # a folder that happens to have the name
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    result = tokenize(write_jsonl(tmp_path / "c.jsonl", DOCS[:1], field="text"),
+                      "--tokenizer", hf_dir, "--out", folder, "--overwrite")
+    assert result.exit_code == 2, result.output
+    assert f"--out {folder}: is a folder, and the command writes a file" in result.output
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
 def test_a_failed_tokenize_leaves_the_old_files(hf_dir, token_file, tmp_path):
     before = token_file.read_bytes(), (tmp_path / "tokens.bin.json").read_text()
     bad = tmp_path / "bad.jsonl"

@@ -220,7 +220,7 @@ def tokenize_corpus(pieces: list[Piece], tokenizer: DocumentTokenizer, out: str 
     # not match the file: token_file_settings refuses that too).
     side = out.with_name(f".{out.name}.json.partial-{os.getpid()}")
     try:
-        with replaced(out, folder=False) as partial:
+        with replaced(out) as partial:
             with partial.open("wb") as file:
                 for piece, (ids, count) in zip(pieces,
                                                _encode_in_order(pieces, encoder, workers)):

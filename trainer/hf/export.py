@@ -7,8 +7,8 @@ holds the whole model; every process takes part in each gather and process 0 wri
 
 from __future__ import annotations
 
+import fnmatch
 import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -18,47 +18,61 @@ from jax.experimental import multihost_utils
 
 from lctrain.recipes.hf_config import check_exportable, config_json
 from lctrain.recipes.schema import Recipe
-from lctrain.trainer.data.tokenizer import DocumentTokenizer, data_tokenizer
+from lctrain.trainer.data.provenance import (TOKENIZER_FILES, ShippedTokenizer,
+                                             copy_tokenizer_files)
 from lctrain.trainer.hf.convert import HFTensor, hf_shape, hf_tensors, leaf_at, to_hf
 from lctrain.trainer.hf.fused import fused_tensor
-from lctrain.trainer.hf.safetensors_io import write_folder
+from lctrain.trainer.hf.safetensors_io import INDEX_FILE, write_folder
 from lctrain.trainer.hf.weights import load_weights
-from lctrain.trainer.outputs.files import replaced
+from lctrain.trainer.outputs.files import written_into
 from lctrain.trainer.outputs.progress import Bar
 from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import build_trainable
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+NO_TOKENIZER = ShippedTokenizer(None, {}, "")
+
+
+def export_owns(name: str) -> bool:
+    """Whether a file of this name is one an export writes (an earlier export's, which
+    --overwrite replaces); any other file in the folder is the user's and stays."""
+    return (name in ("config.json", INDEX_FILE, *TOKENIZER_FILES)
+            or fnmatch.fnmatch(name, "model*.safetensors"))
 
 
 def export_run(recipe: Recipe, run_dir: Path, out_dir: Path, step: int | None = None,
-               dtype: str = "bfloat16", console=None) -> tuple[list[str], str]:
-    """A run's checkpoint (the latest, or `step`) as a Hugging Face folder; returns the
-    files written and which checkpoint it was. Progress goes to `console`."""
+               dtype: str = "bfloat16", console=None,
+               tokenizer: ShippedTokenizer = NO_TOKENIZER) -> tuple[list[str], str]:
+    """A run's checkpoint (the latest, or `step`) as a Hugging Face folder, with the
+    tokenizer the CLI chose (provenance.shipped_tokenizer); returns the files written and
+    which checkpoint it was. Progress goes to `console`."""
     check_exportable(recipe.model)
     mesh = mesh_for(recipe)
     params, origin = load_weights(recipe, build_trainable(recipe, mesh), run_dir, step,
                                   console)
-    return export_hf(recipe, params, out_dir, dtype, console=console), origin
+    return export_hf(recipe, params, out_dir, dtype, console=console,
+                     tokenizer=tokenizer), origin
 
 
 def export_hf(recipe: Recipe, params: dict, out_dir: Path, dtype: str = "bfloat16",
-              max_shard_bytes: int = 5 * 2**30, console=None) -> list[str]:
-    """Writes the folder, in place of whatever `out_dir` held (the caller decided it may be
-    replaced: output_files.check_target); returns the names of the files written."""
+              max_shard_bytes: int = 5 * 2**30, console=None,
+              tokenizer: ShippedTokenizer = NO_TOKENIZER) -> list[str]:
+    """Writes the folder's files in place of an earlier export's (the caller decided they
+    may be replaced: output_files.check_target); returns the names of the files written."""
     is_main = jax.process_index() == 0
     if not is_main:  # the other processes take part in each gather and write nothing
         _write_hf(recipe, params, out_dir, dtype, max_shard_bytes, None, write=False)
         return []
-    with replaced(out_dir, folder=True) as staging:
+    with written_into(out_dir, export_owns) as staging:
         _write_hf(recipe, params, staging, dtype, max_shard_bytes, console, write=True,
-                  label=f"writing {out_dir}")
-    return sorted(path.name for path in out_dir.iterdir())
+                  label=f"writing {out_dir}", tokenizer=tokenizer)
+        written = sorted(path.name for path in staging.iterdir())
+    return written
 
 
 def _write_hf(recipe: Recipe, params: dict, folder: Path, dtype: str, max_shard_bytes: int,
-              console, write: bool, label: str = "") -> None:
+              console, write: bool, label: str = "",
+              tokenizer: ShippedTokenizer = NO_TOKENIZER) -> None:
     # HF name -> the parameters (and layer) it is made of: several for a fused tensor.
     located: dict[str, list[tuple[HFTensor, int | None]]] = {}
     shapes = {}
@@ -86,21 +100,10 @@ def _write_hf(recipe: Recipe, params: dict, folder: Path, dtype: str, max_shard_
                      write=write)
     if not write:
         return
-    tokenizer = data_tokenizer(recipe.data)
-    special = {}
-    if tokenizer:
-        special = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id}
-        _copy_tokenizer_files(tokenizer, folder)
-    config = config_json(recipe.model, recipe.data.seq_len, dtype, special)
+    if tokenizer.folder is not None:
+        copy_tokenizer_files(tokenizer.folder, folder)
+    config = config_json(recipe.model, recipe.data.seq_len, dtype, tokenizer.special_ids)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _copy_tokenizer_files(tokenizer: DocumentTokenizer, out_dir: Path) -> None:
-    source = Path(tokenizer.path)
-    folder = source if source.is_dir() else source.parent
-    for name in TOKENIZER_FILES:
-        if (folder / name).is_file():
-            shutil.copyfile(folder / name, out_dir / name)
 
 
 def _on_host(x: jax.Array) -> np.ndarray:
