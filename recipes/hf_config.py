@@ -173,12 +173,25 @@ def _rope(config: dict, source: Path) -> tuple[float, dict[str, Any]]:
     parameters = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or parameters
     theta = config.get("rope_theta", parameters.get("rope_theta", 10_000.0))
+    _require_rope_type(scaling, "rope_scaling" if config.get("rope_scaling") else
+                       "rope_parameters", source)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise RecipeError(f"{source}: RoPE type {rope_type!r} is not supported; lctrain knows "
                           f"{', '.join(ROPE_TYPES)} (set model.rope_scaling to override)")
     fields = {key: scaling[key] for key in ROPE_SCALING_KEYS if scaling.get(key) is not None}
     return theta, {"type": ROPE_TYPES[rope_type], **fields}
+
+
+def _require_rope_type(scaling: dict, key: str, source: Path) -> None:
+    """A scaling key without a type would be read as no scaling, silently (as
+    model.rope_scaling in a recipe is refused: recipes/loader._require_read_by)."""
+    given = [name for name in ROPE_SCALING_KEYS if scaling.get(name) is not None]
+    if given and "rope_type" not in scaling and "type" not in scaling:
+        raise RecipeError(
+            f"{source}: {key} gives {', '.join(f'{name} {scaling[name]!r}' for name in given)} "
+            f"but no rope_type, so it would be read as unscaled RoPE; add \"rope_type\" "
+            f"(linear, llama3 or yarn) to {key}, or remove {', '.join(given)}")
 
 
 def check_exportable(cfg: ModelConfig) -> None:

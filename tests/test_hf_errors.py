@@ -155,3 +155,15 @@ def test_a_scaling_factor_without_a_type_on_an_unscaled_model_is_refused(tmp_pat
     line = run_fails(good_model, tmp_path, "--set", "model.rope_scaling={factor: 4}")
     assert "'model.rope_scaling.factor' = 4 is not used by model.rope_scaling.type 'none'" in line
     assert "set model.rope_scaling.type to linear, llama3 or yarn" in line
+
+
+@pytest.mark.parametrize("key, value", [("rope_scaling", {"factor": 4.0}),
+                                        ("rope_parameters", {"rope_theta": 1e4, "factor": 4.0})])
+def test_a_config_json_scaling_factor_without_a_type_is_refused(tmp_path, good_model, key,
+                                                                value):
+    folder = copy_with(good_model, tmp_path / "model", config={key: value, "rope_scaling":
+                                                               value if key == "rope_scaling"
+                                                               else None})
+    line = run_fails(folder, tmp_path)
+    assert f"config.json: {key} gives factor 4.0 but no rope_type" in line
+    assert f"add \"rope_type\" (linear, llama3 or yarn) to {key}, or remove factor" in line
