@@ -65,6 +65,22 @@ def start(cpu_devices: int | str, coordinator: Optional[str], num_processes: Opt
     initialize(coordinator, num_processes, process_id)
 
 
+# What `lctrain --version` reports: lctrain and the toolchain that decides what it compiles.
+VERSIONED = ("lctrain", "jax", "jaxlib", "libtpu")
+
+
+def versions_line() -> str:
+    """'lctrain 0.1.0, jax 0.10.2, ...', read from the installed packages' metadata (no
+    import of jax: it would start looking for devices)."""
+    found = []
+    for name in VERSIONED:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return ", ".join(found)
+
+
 def attempt(action: Callable[[], T]) -> T:
     """action(), with the failures a user can act on (a bad recipe or data, out of memory,
     an unreadable checkpoint or file) turned into one line and exit 2 or 1; a bug keeps its

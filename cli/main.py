@@ -17,14 +17,25 @@ from lctrain.recipes import RecipeError, load_recipe, named_strategy
 
 from . import models, tokenize  # noqa: F401  registers their commands
 from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
-                     default_run_dir, error_console, fail, start, wide_console)
+                     default_run_dir, error_console, fail, start, versions_line, wide_console)
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(versions_line())
+        raise typer.Exit()
 
 
 @app.callback()
-def main(debug: bool = typer.Option(
+def main(
+    debug: bool = typer.Option(
         False, "--debug", envvar="LCTRAIN_DEBUG",
         help="Show the Python traceback of expected failures too (out of memory, "
-             "unreadable checkpoints or files), not just their one line.")) -> None:
+             "unreadable checkpoints or files), not just their one line."),
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True,
+        help="Print the versions of lctrain, jax, jaxlib and libtpu, and exit."),
+) -> None:
     """Long-context language-model training with context parallelism."""
     DEBUG.enabled = debug
 

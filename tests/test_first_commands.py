@@ -1,6 +1,7 @@
 """A newcomer's first commands: the default recipe picks its devices and says which, square
 brackets in paths and names survive rich's markup, and libtpu stays quiet."""
 
+import importlib.metadata
 import importlib.util
 import io
 import os
@@ -224,6 +225,14 @@ def test_an_interpreted_kernel_on_cpu_is_said_once(tmp_path):
     plain = CliRunner().invoke(app, ["run", "--steps", "1", "--run-dir", str(tmp_path / "x"),
                                      "--set", "data.seq_len=64"])
     assert "interpret mode" not in plain.output
+
+
+def test_version_names_lctrain_and_its_toolchain():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"lctrain {importlib.metadata.version('lctrain')}, "
+                                    f"jax {importlib.metadata.version('jax')}, "
+                                    f"jaxlib {importlib.metadata.version('jaxlib')}, libtpu ")
 
 
 @pytest.mark.parametrize("command", ["run", "plan", "eval", "export", "tokenize"])
