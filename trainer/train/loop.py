@@ -30,7 +30,8 @@ from lctrain.trainer.state.step import TrainState
 from lctrain.trainer.train.init_from import InitFrom, stage_start
 from lctrain.trainer.train.metrics import MetricsWriter, peak_flops, training_flops_per_token
 from lctrain.trainer.train.pipeline import LaggedFiniteCheck, Prefetcher
-from lctrain.trainer.train.preflight import check_run
+from lctrain.trainer.train.preflight import RunPlan, check_run
+from lctrain.trainer.train.run_dir_lock import run_dir_lock
 
 
 def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
@@ -40,10 +41,19 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     latest checkpoint; returns the metrics records it logged. `memory_limit` (bytes per
     device) overrides the device's memory in compile_run's fit check. `init_from` starts a
     new stage from another run's checkpoint (trainer/train/init_from.py). Nothing is built
-    before the run's checks pass (preflight.check_run)."""
+    before the run's checks pass (preflight.check_run) and it holds run_dir's lock
+    (run_dir_lock.py)."""
     is_main = jax.process_index() == 0
     console = Console(quiet=True) if not is_main else console or Console()
     checked = check_run(recipe, run_dir, devices, init_from, console)
+    with run_dir_lock(run_dir):
+        return _train_checked(recipe, run_dir, console, devices, memory_limit, checked)
+
+
+def _train_checked(recipe: Recipe, run_dir: Path, console: Console, devices,
+                   memory_limit: int | None, checked: RunPlan) -> list[dict]:
+    """train() once its checks passed and it holds the run dir."""
+    is_main = jax.process_index() == 0
     init_from = checked.init_from
     mesh, strategy, trainable, train_step, compile_report = compile_run(
         recipe, devices, console, memory_limit, checked.devices)
