@@ -2,6 +2,7 @@
 killed run resumes exactly where it was."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -101,11 +102,34 @@ def lctrain(run_dir, *args):
             "--set", "runtime.log_every=1", "--set", "data.seq_len=64", *args]
 
 
-def losses_by_step(run_dir):
+def logged_records(run_dir):
     if not (run_dir / "metrics.jsonl").exists():
-        return {}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}  # a resumed step overwrites the killed one
+        return []
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses_by_step(run_dir):
+    return {r["step"]: r["loss"] for r in logged_records(run_dir)}
+
+
+def tensorboard_restarts(run_dir):
+    """The step each TensorBoard events file starts at (its SessionLog START, from which
+    TensorBoard hides the older files' events), in the order they were written."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    starts = []
+    for path in (run_dir / "tb").glob("events.out.tfevents.*"):
+        data, offset = path.read_bytes(), 0
+        while offset + 12 <= len(data):  # TFRecords: length, its CRC, the event, its CRC
+            length = int.from_bytes(data[offset:offset + 8], "little")
+            if offset + 16 + length > len(data):
+                break  # a record a kill cut short
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 16 + length
+            if event.session_log.status == SessionLog.START:
+                starts.append((event.wall_time, event.step))
+                break
+    return [step for _, step in sorted(starts)]
 
 
 def wait_until(condition, seconds=120):
@@ -122,8 +146,8 @@ def saving_now(run_dir):
 def test_killed_three_times_resumes_with_identical_losses(tmp_path):
     """SIGKILL at three points (the first while a checkpoint is being written, the others
     mid-training), then run to the end: every step's loss equals the uninterrupted run's,
-    bit for bit. Each kill costs a process start (the compile comes from the cache of
-    tests/subprocess_env.py); three cover both kinds."""
+    bit for bit, and metrics.jsonl holds each step once. Each kill costs a process start
+    (the compile comes from the cache of tests/subprocess_env.py); three cover both kinds."""
     env = subprocess_env()
     uninterrupted = tmp_path / "uninterrupted"
     subprocess.run(lctrain(uninterrupted), check=True, env=env, capture_output=True)
@@ -144,9 +168,12 @@ def test_killed_three_times_resumes_with_identical_losses(tmp_path):
     assert max(losses_by_step(killed)) < 30
     resumed = subprocess.run(lctrain(killed), check=True, env=env, capture_output=True,
                              text=True)
-    assert "resumed from checkpoint at step" in resumed.stdout
+    resumed_at = int(re.search(r"resumed from checkpoint at step (\d+)", resumed.stdout)[1])
+    # Each resume cut metrics.jsonl and TensorBoard back to its checkpoint's step: every
+    # step appears once, in order.
+    assert [r["step"] for r in logged_records(killed)] == list(range(1, 31))
+    assert tensorboard_restarts(killed)[-1] == resumed_at + 1
     expected, got = losses_by_step(uninterrupted), losses_by_step(killed)
-    assert sorted(got) == list(range(1, 31))
     np.testing.assert_array_equal([got[s] for s in range(1, 31)],
                                   [expected[s] for s in range(1, 31)])
 

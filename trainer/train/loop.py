@@ -84,7 +84,7 @@ def _train_checked(recipe: Recipe, run_dir: Path, console: Console, devices,
                       f"{long_token_share(source, seq_len):.1%} of the tokens lie in "
                       f"documents longer than data.seq_len ({seq_len:,})", markup=False)
     order = strategy.sequence_order(recipe.data.seq_len)
-    writer = MetricsWriter(run_dir, is_main, console)
+    writer = MetricsWriter(run_dir, is_main, console, resumed_step=int(state.step))
     console.print(f"{describe_devices(mesh, recipe.runtime.cpu_devices)} | "
                   f"model {recipe.model.name}: {count_parameters(recipe.model):,} parameters | "
                   f"mesh {dict(mesh.shape)} | strategy {strategy.name} | "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -28,7 +29,11 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, enabled: bool, console: Console):
+    """Appends to the run dir's metrics.jsonl and TensorBoard events. A run resumed from the
+    checkpoint at `resumed_step` redoes the steps after it, so what an earlier process
+    logged past that step is dropped first: every logged step appears once."""
+
+    def __init__(self, run_dir: Path, enabled: bool, console: Console, resumed_step: int = 0):
         self.enabled = enabled
         self.console = console
         self.jsonl = None
@@ -37,8 +42,11 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             run_dir.mkdir(parents=True, exist_ok=True)
+            _cut_back(run_dir / "metrics.jsonl", resumed_step)
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
-            self.tensorboard = SummaryWriter(str(run_dir / "tb"))
+            # Events can only be hidden, not removed: TensorBoard drops those of the older
+            # files from purge_step on when it reads this file's first event.
+            self.tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=resumed_step + 1)
 
     def write(self, step: int, total_steps: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -79,3 +87,23 @@ class MetricsWriter:
         if self.enabled:
             self.jsonl.close()
             self.tensorboard.close()
+
+
+def _cut_back(path: Path, last_step: int) -> None:
+    """Keeps path's records of steps up to last_step, replacing the file in one rename so a
+    kill meanwhile leaves the old file or the new one, never half of it."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if _step(line) is not None and _step(line) <= last_step]
+    cut = path.with_name(path.name + ".cut")
+    cut.write_text("".join(line + "\n" for line in kept))
+    os.replace(cut, path)
+
+
+def _step(line: str) -> int | None:
+    """The record's step; None for a line a kill cut short mid-write."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
