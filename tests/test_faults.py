@@ -1,5 +1,6 @@
 """Failures a long run meets: preemption (SIGTERM), non-finite numbers, bad data files."""
 
+import contextlib
 import json
 import os
 import signal
@@ -27,28 +28,41 @@ def logged_steps(run_dir):
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
-def test_sigterm_saves_at_the_step_reached_and_resume_continues(tmp_path):
+def sigint_as_from_a_terminal():
+    """A background job of a non-interactive shell (CI's runner) starts with SIGINT ignored,
+    and its children inherit that; a terminal's Ctrl-C reaches a process that did not."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_saves_at_the_step_reached_and_resume_continues(tmp_path, signum,
+                                                                      exit_code):
+    """SIGTERM (preemption) exits 0, SIGINT (Ctrl-C) 130 as a shell expects; both save
+    first, and the resumed run logs every step once."""
     command = [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(tmp_path),
                "--set", "train.steps=60", "--set", "checkpoint.every=1000",
                "--set", "runtime.log_every=1", "--set", "data.seq_len=64"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env=subprocess_env())
+                               text=True, env=subprocess_env(),
+                               preexec_fn=sigint_as_from_a_terminal)
     deadline = time.time() + 120
     while time.time() < deadline and len(logged_steps(tmp_path)) < 5:
         time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     output, _ = process.communicate(timeout=120)
-    assert process.returncode == 0
+    assert process.returncode == exit_code
     reached = max(logged_steps(tmp_path))
     assert 5 <= reached < 60
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved == [reached] and f"checkpoint saved at step {reached}" in output
+    assert saved == [reached]
+    assert f"{signal.Signals(signum).name}: checkpoint saved at step {reached}" in output
 
     resumed = subprocess.run(command, capture_output=True, text=True,
                              env=subprocess_env())
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from checkpoint at step {reached}" in resumed.stdout
-    assert logged_steps(tmp_path)[-(60 - reached):] == list(range(reached + 1, 61))
+    assert logged_steps(tmp_path) == list(range(1, 61))
 
 
 def test_nonfinite_step_stops_before_saving(tmp_path, monkeypatch):
@@ -113,19 +127,30 @@ def test_bad_token_file_fails_before_training(tmp_path, kind, words):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_second_sigterm_exits_at_once(monkeypatch):
-    """The first SIGTERM only asks for a checkpoint at the next step boundary; a second one
-    (an impatient scheduler) exits the process immediately with 128 + SIGTERM, without
-    waiting for the step or the save. A hard exit mid-save leaves orbax's unfinished
-    directory behind and the last complete checkpoint usable (the SIGKILL test in
-    test_train.py resumes from exactly that)."""
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, None), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_second_stop_signal_exits_at_once(monkeypatch, signum, exit_code):
+    """The first SIGTERM or Ctrl-C only asks for a checkpoint at the next step boundary; a
+    second one (an impatient scheduler or user) exits the process immediately with 128 +
+    the signal, without waiting for the step or the save. A hard exit mid-save leaves
+    orbax's unfinished directory behind and the last complete checkpoint usable (the SIGKILL
+    test in test_train.py resumes from exactly that). Ctrl-C's stop ends in exit 130 once
+    the loop is left."""
     exits = []
     monkeypatch.setattr(loop.os, "_exit", exits.append)
-    with loop.StopSignal() as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)            # Python runs the handler between bytecodes
-        assert stop.agreed() and exits == []
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)
-        assert exits == [128 + signal.SIGTERM]
-    assert signal.getsignal(signal.SIGTERM) != stop._handle
+    # Not SIG_IGN, which StopSignal leaves alone (a background job may inherit it), nor a
+    # KeyboardInterrupt into pytest should StopSignal not take SIGINT.
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        with pytest.raises(SystemExit) if exit_code else contextlib.nullcontext() as ended:
+            with loop.StopSignal() as stop:
+                os.kill(os.getpid(), signum)
+                time.sleep(0.05)            # Python runs the handler between bytecodes
+                assert stop.agreed() and exits == []
+                os.kill(os.getpid(), signum)
+                time.sleep(0.05)
+                assert exits == [128 + signum]
+        assert signal.getsignal(signum) != stop._handle
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (ended.value.code if exit_code else None) == exit_code

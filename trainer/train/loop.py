@@ -117,30 +117,49 @@ class NonFiniteLoss(RunFailure):
 
 
 class StopSignal:
-    """SIGTERM (what a TPU VM receives before maintenance) asks the loop to checkpoint at the
-    next step boundary and exit cleanly; a second SIGTERM exits at once. Orbax renames a
+    """SIGTERM (what a TPU VM receives before maintenance) and SIGINT (Ctrl-C) ask the loop to
+    checkpoint at the next step boundary and exit cleanly: 0 after SIGTERM, 130 after SIGINT,
+    as a shell expects of an interrupted job. A second signal exits at once. Orbax renames a
     checkpoint only when it is complete, so the last complete one survives either way."""
 
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
     def __init__(self):
-        self.received = False
+        self.received: int | None = None  # the first signal's number
 
     def __enter__(self):
-        self.previous = signal.signal(signal.SIGTERM, self._handle)
+        self.previous = {signum: signal.getsignal(signum) for signum in self.SIGNALS}
+        for signum, handler in self.previous.items():
+            # A background job of a non-interactive shell starts with SIGINT ignored, so
+            # that the terminal's Ctrl-C is not meant for it: it stays ignored.
+            if handler != signal.SIG_IGN:
+                signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc):
-        signal.signal(signal.SIGTERM, self.previous)
+    def __exit__(self, exc_type, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        if exc_type is None and self.received == signal.SIGINT:
+            # Raised after the loop's last save began; train()'s checkpointer.close() waits
+            # for the save to finish before the process exits.
+            raise SystemExit(128 + signal.SIGINT)
 
     def _handle(self, signum, frame):
-        if self.received:
+        if self.received is not None:
             os._exit(128 + signum)
-        self.received = True
+        self.received = signum
+
+    @property
+    def name(self) -> str:
+        """The signal that stopped the run (SIGTERM when another process got it)."""
+        return signal.Signals(self.received or signal.SIGTERM).name
 
     def agreed(self) -> bool:
         """Whether any process got the signal: all processes must stop at the same step."""
         if jax.process_count() == 1:
-            return self.received
-        return bool(multihost_utils.process_allgather(np.array(self.received)).any())
+            return self.received is not None
+        return bool(multihost_utils.process_allgather(
+            np.array(self.received is not None)).any())
 
 
 class Throughput:
@@ -216,7 +235,8 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
                 finite.flush()  # a non-finite state is never saved
             _save(checkpointer, state, step, next_batch, last, console)
             if stopping:
-                console.print(f"SIGTERM: checkpoint saved at step {step}; exiting")
+                console.print(f"{stop.name}: checkpoint saved at step {step}; exiting (run "
+                              f"the same command again to resume)", soft_wrap=True)
                 break
         finite.flush()
     return records
