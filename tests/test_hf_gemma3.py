@@ -157,6 +157,7 @@ def test_a_run_dir_from_before_these_keys_resumes(tmp_path):
     for group in written["model"]["layer_pattern"]:
         del group["scale_rope"]
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(written))
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # trained: a step was saved
     assert check_rerun(recipe, tmp_path) is None
     changed = load_recipe("tiny", [*model, "model.qk_norm=true"])
     with pytest.raises(RecipeError, match="model.qk_norm False -> True"):

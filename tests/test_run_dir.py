@@ -1,13 +1,16 @@
-"""A run dir belongs to one run: a second `lctrain run` in it is refused. Nothing here
-compiles: a run that gets past its checks and the lock stops at compile_run."""
+"""A run dir belongs to one run: a second `lctrain run` in it is refused, and a run that
+trained nothing blocks no rerun. Nothing here compiles: a run that gets past its checks and
+the lock stops at compile_run."""
 
 import os
 import socket
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from lctrain.cli.main import app
+from lctrain.recipes import load_recipe
 from lctrain.trainer.train import loop
 from lctrain.trainer.train.run_dir_lock import run_dir_lock
 
@@ -51,3 +54,18 @@ def test_a_run_dir_in_use_is_refused_and_a_dead_holders_lock_taken_over(tmp_path
     assert isinstance(result.exception, Compiling), result.output
     assert compiled[0][1] == f"pid {os.getpid()} on host {socket.gethostname()}\n"
     assert (tmp_path / "lock").read_text() == ""  # released: it names no one
+
+
+def write_run_dir(run_dir, overrides):
+    """What a run that failed before its first step leaves: its recipe, no checkpoint."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    recipe = load_recipe("tiny", overrides)
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+
+
+def test_a_run_that_trained_nothing_does_not_block_a_rerun_with_another_recipe(tmp_path,
+                                                                              compiled):
+    write_run_dir(tmp_path, SMALL)
+    result, _ = run(tmp_path, "tiny", "--set=train.lr=0.01", *[f"--set={s}" for s in SMALL])
+    assert isinstance(result.exception, Compiling), result.output
+    assert compiled[0][0].train.lr == 0.01

@@ -18,6 +18,7 @@ import yaml
 
 from lctrain.recipes.coerce import build
 from lctrain.recipes.schema import Recipe, RecipeError
+from lctrain.trainer.state.checkpoint import saved_steps
 
 CHANGEABLE = ("train.steps", "model.init", "model.preset", "model.dtype", "mesh.",
               "parallel.", "attention.", "remat.", "optimizer.", "loss.", "checkpoint.",
@@ -29,7 +30,9 @@ def check_rerun(recipe: Recipe, run_dir: Path) -> str | None:
     """RecipeError naming the keys when the new recipe changes the data or the state of the
     run in run_dir; else a note on a changed step count (None when nothing to say)."""
     path = run_dir / "recipe.yaml"
-    if not path.is_file():
+    # Without a checkpoint nothing of that recipe survives (a run that failed before its
+    # first step, or was killed before its first save): the rerun starts at step 0.
+    if not path.is_file() or not saved_steps(run_dir / "checkpoints"):
         return None
     # Read back through the schema, so keys added since the run began take their defaults.
     written = build(Recipe, yaml.safe_load(path.read_text()) or {}, prefix="")
