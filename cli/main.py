@@ -43,7 +43,8 @@ def main(
 @app.command()
 def run(
     recipe: Optional[str] = typer.Argument(
-        None, help="Recipe YAML file or built-in recipe name (default: the built-in 'quickstart')."),
+        None, help="Recipe YAML file or built-in recipe name (default: the run dir's recipe, "
+                   "else the built-in 'quickstart')."),
     set_: list[str] = SETS,
     steps: Optional[int] = typer.Option(None, help="Shorthand for --set train.steps=N."),
     run_dir: Optional[Path] = typer.Option(
@@ -67,13 +68,19 @@ def run(
     if init_optimizer and not init_from:
         fail("--init-optimizer brings the optimizer state of --init-from's run; give "
              "--init-from RUN_DIR[:STEP] too, or drop it")
-    loaded = attempt(lambda: load_recipe(recipe, overrides))
+    run_dir = run_dir or default_run_dir(recipe)
+    # As eval does: a run dir is resumed with its own recipe unless given another. Read as
+    # written (not load_run_recipe's, which drops model.init): a run with no checkpoint yet
+    # must start from model.init's weights.
+    own = run_dir / "recipe.yaml"
+    loaded = attempt(lambda: load_recipe(own if recipe is None and own.is_file() else recipe,
+                                         overrides))
     start(loaded.runtime.cpu_devices, coordinator, num_processes, process_id)
     from lctrain.trainer.train.init_from import InitFrom
     from lctrain.trainer.train.loop import train
 
     stage = InitFrom.parse(init_from, init_optimizer) if init_from else None
-    attempt(lambda: train(loaded, run_dir or default_run_dir(recipe), console, init_from=stage))
+    attempt(lambda: train(loaded, run_dir, console, init_from=stage))
 
 
 @app.command()

@@ -1,6 +1,6 @@
-"""A run dir belongs to one run: a second `lctrain run` in it is refused, and a run that
-trained nothing blocks no rerun. Nothing here compiles: a run that gets past its checks and
-the lock stops at compile_run."""
+"""A run dir belongs to one run: a second `lctrain run` in it is refused, a run that trained
+nothing blocks no rerun, and `lctrain run --run-dir D` resumes D's own recipe. Nothing here
+compiles: a run that gets past its checks and the lock stops at compile_run."""
 
 import os
 import socket
@@ -69,3 +69,11 @@ def test_a_run_that_trained_nothing_does_not_block_a_rerun_with_another_recipe(t
     result, _ = run(tmp_path, "tiny", "--set=train.lr=0.01", *[f"--set={s}" for s in SMALL])
     assert isinstance(result.exception, Compiling), result.output
     assert compiled[0][0].train.lr == 0.01
+
+
+def test_run_without_a_recipe_takes_the_run_dirs_own(tmp_path, compiled):
+    write_run_dir(tmp_path, [*SMALL, "train.lr=0.01", "model.layers=3"])
+    result, _ = run(tmp_path, "--steps", "7")
+    assert isinstance(result.exception, Compiling), result.output
+    recipe = compiled[0][0]
+    assert (recipe.model.layers, recipe.train.lr, recipe.train.steps) == (3, 0.01, 7)
