@@ -28,10 +28,16 @@ def logged_steps(run_dir):
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
-def sigint_as_from_a_terminal():
+@contextlib.contextmanager
+def sigint_not_ignored():
     """A background job of a non-interactive shell (CI's runner) starts with SIGINT ignored,
-    and its children inherit that; a terminal's Ctrl-C reaches a process that did not."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    and a child inherits that, unlike one started from a terminal. A handler is reset to the
+    default in an exec'd child; preexec_fn would run Python in a fork of JAX's threads."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)],
@@ -43,9 +49,9 @@ def test_a_stop_signal_saves_at_the_step_reached_and_resume_continues(tmp_path, 
     command = [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(tmp_path),
                "--set", "train.steps=60", "--set", "checkpoint.every=1000",
                "--set", "runtime.log_every=1", "--set", "data.seq_len=64"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env=subprocess_env(),
-                               preexec_fn=sigint_as_from_a_terminal)
+    with sigint_not_ignored():
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True, env=subprocess_env())
     deadline = time.time() + 120
     while time.time() < deadline and len(logged_steps(tmp_path)) < 5:
         time.sleep(0.2)
