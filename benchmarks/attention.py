@@ -56,14 +56,16 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 STRUCTURE_TOKENS, STRUCTURE_BLOCK = 4096, 512
 
 
-def attention_loss(impl: str, platform: str | None, block: int):
+def attention_loss(impl: str, platform: str | None, block: int | tuple[int, int]):
     """(q, k, v, positions, segments) -> sum of causal attention's output, for
-    value_and_grad."""
+    value_and_grad; `block` is block_q = block_kv, or (block_q, block_kv)."""
+    block_q, block_kv = block if isinstance(block, tuple) else (block, block)
 
     def loss(q, k, v, positions, segments):
         out = kernels.attention(q, k, v, q_positions=positions, kv_positions=positions,
                                 q_segment_ids=segments, kv_segment_ids=segments, causal=True,
-                                impl=impl, block_q=block, block_kv=block, platform=platform)
+                                impl=impl, block_q=block_q, block_kv=block_kv,
+                                platform=platform)
         return jnp.sum(out.astype(jnp.float32))
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2))
@@ -110,7 +112,7 @@ def cudnn_loss():
     return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
-def time_impl(impl: str, seq_len: int, block: int, repeats: int, dtype,
+def time_impl(impl: str, seq_len: int, block: int | tuple[int, int], repeats: int, dtype,
               layout: str = "causal") -> float:
     """Median seconds of one forward+backward on the default backend."""
     rng = np.random.default_rng(0)

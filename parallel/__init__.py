@@ -15,7 +15,8 @@ from .mesh import MESH_AXES, build_mesh, describe_devices, slice_count
 from .none import NoContextParallel
 from .ring import Ring
 from .state_passing import StatePassing
-from .strategy import ContextStrategy, load_balanced_order, stored_chunk_tokens
+from .strategy import (ContextStrategy, attention_on, chip_generation, load_balanced_order,
+                       stored_chunk_tokens)
 from .ulysses import Ulysses
 from .usp import UnifiedSequenceParallel
 
@@ -43,13 +44,21 @@ def strategy_classes(recipe: Recipe) -> dict[str, type[ContextStrategy]]:
 def kernels_by_kind(recipe: Recipe, devices) -> dict[str, str]:
     """The attention kernel (a registered impl) that each attention layer kind's calls run
     on `devices`: what attention.impl=auto, or a TPU kernel on a GPU, comes to."""
-    a, platform = recipe.attention, devices[0].platform
+    platform = devices[0].platform
     sizes = check_against_devices(recipe, len(devices), slice_count(devices))
+    a = attention_on(recipe, chip_generation(devices[0]), sizes["context"])
     run_tokens = stored_chunk_tokens(recipe, sizes["context"])
     return {kind: kernels.impl_for_call(a.impl, platform, *cls.kernel_lengths(recipe, sizes),
                                         a.block_q, a.block_kv, run_tokens,
                                         recipe.model.layer_group(kind).window)
             for kind, cls in strategy_classes(recipe).items() if kind != "linear"}
+
+
+def attention_blocks(recipe: Recipe, devices) -> str:
+    """'512 x 2048': the blocks (queries x keys) the kernel calls take on `devices`."""
+    sizes = check_against_devices(recipe, len(devices), slice_count(devices))
+    a = attention_on(recipe, chip_generation(devices[0]), sizes["context"])
+    return f"{a.block_q} x {a.block_kv}"
 
 
 def attention_kernels(recipe: Recipe, devices) -> str:

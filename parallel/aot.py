@@ -36,11 +36,26 @@ def topology_devices(name: str, slices: int = 1) -> list:
     extra = {"num_slices": slices} if slices > 1 else {}
     try:
         with shown_only_on_failure():  # libtpu loads here, warning that it finds no TPU
-            return list(topologies.get_topology_desc(platform="tpu", topology_name=name,
-                                                     **extra).devices)
+            try:
+                desc = topologies.get_topology_desc(platform="tpu", topology_name=name, **extra)
+            except Exception as err:
+                if "chips_per_host_bounds" not in str(err):
+                    raise
+                desc = topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                                    chips_per_host_bounds=_one_host(name),
+                                                    **extra)
+            return list(desc.devices)
     except Exception as err:  # libtpu's message for an unknown name is long and generic
-        raise ValueError(f"unknown TPU topology '{name}' (e.g. v4:2x2x1, v5e:2x2, v5p:2x2x1, "
-                         f"v6e:2x2, tpu7x:2x2x1): {str(err).splitlines()[0]}") from err
+        raise ValueError(f"unknown TPU topology '{name}' (e.g. v4:2x2x1, v5e:1x1, v5e:2x2, "
+                         f"v5p:2x2x1, v6e:2x2, tpu7x:2x2x1): {str(err).splitlines()[0]}"
+                         ) from err
+
+
+def _one_host(name: str) -> tuple[int, int, int]:
+    """The chips of a topology smaller than libtpu's default host (2x2x1), such as a single
+    v5e chip ("v5e:1x1"), as one host of exactly that shape."""
+    shape = [int(n) for n in name.split(":")[1].split("x")]
+    return tuple(shape + [1] * (3 - len(shape)))
 
 
 # ------------------------------------------------------------------ compile ----

@@ -12,6 +12,7 @@ planner what that costs per device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import TYPE_CHECKING, ClassVar
@@ -22,12 +23,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lctrain import kernels
-from lctrain.kernels import pallas, splash, triton
+from lctrain.kernels import pallas, splash, tiles, triton
+from lctrain.parallel.chips import chip_for_device_kind
 from lctrain.parallel.cost_model import (F32, AttentionFootprint, Dims, NotOnThisMesh, RingTiming,
                                          Traffic)
 from lctrain.parallel.sharding import LOGICAL_TO_MESH, gathered_weight
 from lctrain.recipes import stored_chunks
-from lctrain.recipes.schema import Recipe, RecipeError
+from lctrain.recipes.schema import AttentionConfig, Recipe, RecipeError
 
 if TYPE_CHECKING:
     from lctrain.parallel.chips import Chip
@@ -51,9 +53,10 @@ class ContextStrategy:
         self.sequence_shards = mesh.shape["context"] * mesh.shape["ulysses"]
         # The kernel is chosen for the mesh's devices, which are TPUs in an ahead-of-time
         # compile for a TPU topology even though the host is a CPU.
-        self.kernel_options = dict(impl=recipe.attention.impl, block_q=recipe.attention.block_q,
-                                   block_kv=recipe.attention.block_kv,
-                                   platform=mesh.devices.flat[0].platform,
+        device = mesh.devices.flat[0]
+        a = attention_on(recipe, chip_generation(device), self.sequence_shards)
+        self.kernel_options = dict(impl=a.impl, block_q=a.block_q, block_kv=a.block_kv,
+                                   platform=device.platform,
                                    run_tokens=stored_chunk_tokens(recipe, self.sequence_shards))
         self.load_balance = recipe.parallel.load_balance and self.sequence_shards > 1
 
@@ -182,6 +185,25 @@ def stored_chunk_tokens(recipe: Recipe, context: int) -> int:
     return recipe.data.seq_len // stored_chunks(recipe, context)
 
 
+def chip_generation(device) -> str | None:
+    """'v5e' for a device of a v5e chip (jax's device or an AOT topology's); None for CPU."""
+    chip = chip_for_device_kind(device.device_kind)
+    return chip.name if chip else None
+
+
+def attention_on(recipe: Recipe, chip: str | None, sequence_shards: int) -> AttentionConfig:
+    """The recipe's attention with what it leaves to lctrain filled in for `chip`: impl
+    auto becomes the kernel measured fastest there (kernels/tiles.py), unset blocks that
+    kernel's measured blocks, else kernels.tiles.DEFAULT_BLOCK."""
+    a = recipe.attention
+    best = tiles.measured(chip, recipe.data.seq_len // sequence_shards)
+    impl = best.impl if best and a.impl == "auto" else a.impl
+    blocks = ((best.block_q, best.block_kv) if best and best.impl == impl
+              else (tiles.DEFAULT_BLOCK, tiles.DEFAULT_BLOCK))
+    return dataclasses.replace(a, impl=impl, block_q=a.block_q or blocks[0],
+                               block_kv=a.block_kv or blocks[1])
+
+
 def check_kernel_layout(recipe: Recipe, axis_sizes: dict[str, int],
                         kernel_lengths: tuple[int, int], platform: str = "tpu") -> None:
     """RecipeError when the attention kernel cannot run a kernel call of `kernel_lengths`
@@ -214,7 +236,8 @@ def _check_pallas_tiles(recipe: Recipe, axis_sizes: dict[str, int],
     """Mosaic tiles a call in blocks of a multiple of 128 tokens, or one block of the
     whole length (pallas.block_size), so a call of e.g. 2000 tokens fails at trace time;
     interpret mode (CPU) takes any length, and on GPU the xla kernel runs."""
-    a, context = recipe.attention, axis_sizes["context"]
+    context = axis_sizes["context"]
+    a = attention_on(recipe, None, context)
     if platform != "tpu" or kernels.impl_for_call(
             a.impl, platform, *kernel_lengths, a.block_q, a.block_kv,
             stored_chunk_tokens(recipe, context)) != "pallas":
@@ -246,8 +269,8 @@ def _check_splash_layout(recipe: Recipe, axis_sizes: dict[str, int],
                                          else "") + "), and splash needs multiples of 128; "
             "change data.seq_len, or use attention.impl=pallas or auto")
     try:
-        splash.block_sizes(*kernel_lengths, recipe.attention.block_q, recipe.attention.block_kv,
-                           chunk)
+        a = attention_on(recipe, None, context)
+        splash.block_sizes(*kernel_lengths, a.block_q, a.block_kv, chunk)
     except ValueError as err:
         raise RecipeError(f"recipe key 'attention.impl' = 'splash': {err}") from err
 

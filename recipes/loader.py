@@ -217,10 +217,10 @@ def validate(recipe: Recipe) -> None:
     validate_linear_layers(recipe)
     validate_mesh(recipe)
     _validate_remat(recipe)
-    require(recipe.attention.block_q > 0, "attention.block_q", recipe.attention.block_q,
-             "must be positive")
-    require(recipe.attention.block_kv > 0, "attention.block_kv", recipe.attention.block_kv,
-             "must be positive")
+    for key in ("block_q", "block_kv"):
+        block = getattr(recipe.attention, key)
+        require(block is None or block > 0, f"attention.{key}", block,
+                "must be positive (or null: the chip's measured default)")
     chunk = recipe.loss.chunk_tokens
     require(chunk is None or chunk >= 0, "loss.chunk_tokens", chunk,
              "must be >= 0 (0 = unchunked) or null (chosen from data.seq_len)")

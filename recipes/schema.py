@@ -174,8 +174,11 @@ class AttentionConfig:
                 "stored sequence to be a multiple of 128 tokens), or our GPU kernel (Pallas "
                 "through Triton on NVIDIA GPUs, skipping masked blocks; interpreted on CPU; "
                 "not yet timed on a GPU, so auto does not pick it).")
-    block_q: int = option(512, "Query block size of the blockwise kernels.")
-    block_kv: int = option(512, "Key/value block size of the blockwise kernels.")
+    block_q: int | None = option(
+        None, "Query block size of the blockwise kernels; null: the fastest measured on "
+              "the chip for the tokens per chip (kernels/tiles.py), else 512.")
+    block_kv: int | None = option(
+        None, "Key/value block size of the blockwise kernels; null as for block_q.")
 
 
 @dataclass

@@ -258,3 +258,17 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
                 or r.kernel.startswith("splash_mha_fwd") and r.side == "result"
                 and r.shape.startswith("f32")]
     assert [r for r in found if r not in expected] == []
+
+
+@needs_libtpu
+def test_a_single_v5e_chip_compiles_with_the_chips_measured_kernel():
+    """libtpu refuses 'v5e:1x1' with its default host of 2x2 chips; lctrain asks for a host
+    of exactly that shape. The step compiled for it calls our Pallas kernel with the
+    blocks measured fastest on a v5e (kernels/tiles.py), as a run on that chip would."""
+    devices = aot.topology_devices("v5e:1x1")
+    assert len(devices) == 1 and devices[0].device_kind == "TPU v5 lite"
+    recipe = load_recipe("tiny", ["model.dtype=bfloat16", "mesh.data=1", "data.batch_size=1",
+                                  "data.seq_len=8192"])
+    run = build.build_run(recipe, devices)
+    assert "tpu_custom_call" in run.train_step.as_text()
+    assert aot.memory_stats(run.train_step).hbm_bytes > 0

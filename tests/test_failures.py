@@ -164,3 +164,64 @@ def test_an_unreadable_checkpoint_is_one_line_to_the_end_of_the_process(tmp_path
         assert again.returncode == 1
         assert again.stderr.startswith(f"error: {tmp_path / 'checkpoints' / '2'}: cannot restore")
         assert len(again.stderr.strip().splitlines()) == 1, again.stderr[-3000:]
+
+
+XLA_ERROR = type("JaxRuntimeError", (RuntimeError,), {})
+# libtpu's words for a kernel whose tiles overflow a core's scoped VMEM (splash, blocks
+# of 1024, 8K tokens on a v5e)
+SCOPED_VMEM = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: XLA:TPU compile "
+               "permanent error. Ran out of memory in memory space vmem while allocating on "
+               "stack for %splash_mha_dq_kernel. Scoped allocation with size 16.02M and "
+               "limit 16.00M exceeded scoped vmem limit by 16.00K.")
+
+
+def test_a_scoped_vmem_failure_is_a_kernel_tile_problem_not_hbm():
+    message, code = explain(XLA_ERROR(SCOPED_VMEM))
+    assert "scoped VMEM" in message and "attention.block_q" in message and code == 1
+    assert "offload" not in message and "out of device memory" not in message
+
+
+def test_out_of_memory_advice_leaves_out_what_the_recipe_already_does():
+    """recipes/one_chip.yaml offloads its layer inputs and chunks its MLP: the advice is
+    what it has not tried (a v5e's runtime OOM at 131,072 tokens said to offload)."""
+    err = XLA_ERROR("RESOURCE_EXHAUSTED: E0101: RuntimeProgramAllocationFailure: Error "
+                    "loading program 'jit_train_step': Attempting to allocate 30.01M.")
+    offloading = out_of_memory_message(err, load_recipe("recipes/one_chip.yaml"))
+    assert "could not allocate 0.03 GB" in offloading
+    assert "offload" not in offloading and "mlp_chunk_tokens" not in offloading
+    assert "data.seq_len" in offloading
+    full = out_of_memory_message(err, load_recipe("recipes/one_chip.yaml",
+                                                  ["remat.policy=full", "remat.tensors={}",
+                                                   "remat.mlp_chunk_tokens=0"]))
+    assert "decoder_layer_input: offload" in full and "mlp_chunk_tokens" in full
+
+
+def failing_once_with(message: str):
+    """build_run that raises `message` as XLA's error on its first call, then compiles."""
+    calls = []
+    real = build.build_run
+
+    def build_run(recipe, devices, console=None):
+        calls.append((recipe.attention.impl, recipe.attention.block_q))
+        if len(calls) == 1:
+            raise XLA_ERROR(message)
+        return real(recipe, devices, console)
+    return build_run, calls
+
+
+def test_a_kernel_left_to_lctrain_falls_back_when_its_tiles_overflow_vmem(monkeypatch):
+    monkeypatch.setattr(build, "build_run", failing_once_with(SCOPED_VMEM)[0])
+    recipe = load_recipe("tiny", ["data.seq_len=64", "mesh.data=1"])
+    run = build.compile_run(recipe, jax.devices()[:1])
+    assert "does not fit the chip's scoped VMEM; trying attention.impl=pallas" in run.report[0]
+    assert (recipe.attention.impl, recipe.attention.block_q) == ("pallas", 512)
+
+
+def test_a_pinned_kernel_whose_tiles_overflow_vmem_is_named_in_one_line(monkeypatch):
+    build_run, calls = failing_once_with(SCOPED_VMEM)
+    monkeypatch.setattr(build, "build_run", build_run)
+    recipe = load_recipe("tiny", ["data.seq_len=64", "mesh.data=1", "attention.impl=xla",
+                                  "attention.block_q=64", "attention.block_kv=64"])
+    with pytest.raises(build.RunFailure, match="scoped VMEM.*xla with blocks of 64 x 64"):
+        build.compile_run(recipe, jax.devices()[:1])
+    assert len(calls) == 1

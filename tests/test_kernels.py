@@ -349,3 +349,37 @@ def test_unknown_impl_and_bad_shapes_raise():
         attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2), **kw)
     with pytest.raises(ValueError, match="kv_positions"):
         attention(q, k, v, **{**kw, "kv_positions": _arange(31)})
+
+
+@pytest.mark.parametrize("chip, tokens, pinned, want", [
+    ("v5e", 8192, [], ("pallas", 1024, 1024)),      # splash's dq kernel: VMEM at 1024
+    ("v5e", 65536, [], ("pallas", 512, 2048)),
+    ("v5e", 65536, ["attention.block_q=256"], ("pallas", 256, 2048)),
+    ("v5e", 65536, ["attention.impl=splash"], ("splash", 512, 512)),
+    ("v5p", 65536, [], ("auto", 512, 512)),         # not timed: the kernels' own defaults
+    (None, 65536, [], ("auto", 512, 512)),
+])
+def test_unset_attention_takes_the_chips_measured_kernel_and_blocks(chip, tokens, pinned, want):
+    """kernels/tiles.py's rows as a recipe gets them: what it pins stays pinned."""
+    from lctrain.parallel import attention_on
+    from lctrain.recipes import load_recipe
+
+    recipe = load_recipe("tiny", [f"data.seq_len={2 * tokens}", *pinned])
+    a = attention_on(recipe, chip, sequence_shards=2)
+    assert (a.impl, a.block_q, a.block_kv) == want
+
+
+def test_a_v5e_strategy_calls_the_kernel_with_the_measured_blocks():
+    """The strategy hands kernels.attention what attention_on resolved for its devices'
+    chip (an AOT v5e device: its device_kind is the chip's)."""
+    from types import SimpleNamespace
+
+    from lctrain.parallel import NoContextParallel
+    from lctrain.recipes import load_recipe
+
+    device = SimpleNamespace(device_kind="TPU v5 lite", platform="tpu")
+    mesh = SimpleNamespace(devices=np.array([device]).reshape(1, 1, 1, 1, 1),
+                           shape={"data": 1, "fsdp": 1, "context": 1, "ulysses": 1, "tensor": 1})
+    strategy = NoContextParallel(load_recipe("tiny", ["data.seq_len=32768"]), mesh)
+    assert (strategy.kernel_options["impl"], strategy.kernel_options["block_q"],
+            strategy.kernel_options["block_kv"]) == ("pallas", 512, 2048)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lctrain.parallel import STRATEGIES
+from lctrain.parallel import STRATEGIES, attention_on
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.planner import layer_kinds
 from lctrain.parallel.planner.memory import kernel_impl, memory
@@ -37,6 +37,8 @@ def recipe_for_plan(recipe: Recipe, p: StrategyPlan) -> Recipe:
 def estimate(recipe: Recipe, axis_sizes: dict[str, int], chip: Chip, strategy: str,
              ulysses: int = 1, platform: str = "tpu") -> StrategyPlan:
     """The analytic plan of one strategy (the modules' docstrings give every term)."""
+    recipe = dataclasses.replace(recipe, attention=attention_on(recipe, chip.name,
+                                                                axis_sizes["context"]))
     cost_model = STRATEGIES[strategy]
     dm = dims(recipe, axis_sizes, strategy, ulysses)
     kinds = None

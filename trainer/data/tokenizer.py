@@ -34,11 +34,13 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from lctrain.trainer.outputs.failures import DataError
+
 UINT16_VOCAB = 1 << 16  # ids 0..65535 fit in uint16
 ITEMSIZES = {"uint16": 2, "uint32": 4}  # token-file element types, in bytes
 
 
-class TokenizerError(ValueError):
+class TokenizerError(DataError):
     """A tokenizer or sidecar that cannot be used; the message names the file, the value and
     the fix (the recipe loader and the data pipeline re-raise it as their own error)."""
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 from lctrain.recipes.schema import RecipeError
-from lctrain.trainer.data.tokenizer import TokenizerError
 from lctrain.trainer.outputs.files import OutputError
 
 
@@ -36,16 +35,33 @@ _ALLOCATOR_OOM = re.compile(r"(?:allocating|allocate) (\d+ bytes|[\d.]+\s?[KMGT]
 
 
 def is_out_of_memory(err: BaseException) -> bool:
+    """Out of host memory, or of a device's HBM or scoped VMEM (is_scoped_vmem_oom)."""
     return isinstance(err, MemoryError) or (
         type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
         and "RESOURCE_EXHAUSTED" in str(err))
 
 
-def out_of_memory_message(err: BaseException) -> str:
-    """The per-device figure XLA gave, and where to find a configuration that fits."""
+def is_scoped_vmem_oom(err: BaseException) -> bool:
+    """A Pallas kernel's tiles need more of a TPU core's scoped VMEM (16 MiB on v5e) than it
+    has (libtpu's E1001 CompileTimeScopedVmemOom): a tile problem, not HBM."""
+    return is_out_of_memory(err) and "ScopedVmemOom" in str(err)
+
+
+def kernel_tiles_message(kernel: str) -> str:
+    """The line for a scoped-VMEM failure; `kernel` names the kernel and its tiles."""
+    return (f"the attention kernel's tiles do not fit the chip's scoped VMEM (a kernel tile "
+            f"problem, not HBM): {kernel}; pin smaller blocks (attention.block_q / "
+            f"attention.block_kv, e.g. 512), or attention.impl=pallas")
+
+
+def out_of_memory_message(err: BaseException, recipe=None) -> str:
+    """The per-device figure XLA gave, and where to find a configuration that fits (advice
+    for the recipe as it stands, when given)."""
     if isinstance(err, MemoryError):
         return ("out of host memory (RAM); lower data.batch_size or data.seq_len, or run "
                 "on more hosts")
+    if is_scoped_vmem_oom(err):
+        return kernel_tiles_message("the recipe's attention.impl and blocks")
     text = str(err)
     if used := _COMPILER_OOM.search(text):
         figure = (f"the program needs {_in_gb(used.group(1))} per device of "
@@ -54,15 +70,26 @@ def out_of_memory_message(err: BaseException) -> str:
         figure = f"a device could not allocate {_in_gb(wanted.group(1))}"
     else:
         figure = text.strip().splitlines()[0][:200]
-    return out_of_device_memory(figure)
+    return out_of_device_memory(figure, recipe)
 
 
-def out_of_device_memory(figure: str) -> str:
-    """The out-of-memory line around `figure` (what needs how much of what)."""
+def out_of_device_memory(figure: str, recipe=None) -> str:
+    """The out-of-memory line around `figure` (what needs how much of what), with the
+    changes that lower the need which `recipe` has not made yet."""
     return (f"out of device memory: {figure}. `lctrain plan RECIPE --topology CHIP:SHAPE "
             f"--compile` gives each strategy's memory per device and `--max-seq` the longest "
-            f"sequence that fits; raise mesh.context, or offload the layer inputs "
-            f"(remat.policy=custom, remat.tensors={{decoder_layer_input: offload}})")
+            f"sequence that fits; {' or '.join(memory_savers(recipe))}")
+
+
+def memory_savers(recipe=None) -> list[str]:
+    """What lowers a step's device memory, leaving out what `recipe` already does."""
+    savers = ["lower data.seq_len", "raise mesh.context"]
+    if recipe is None or recipe.remat.tensors.get("decoder_layer_input") != "offload":
+        savers.append("offload the layer inputs (remat.policy=custom, "
+                      "remat.tensors={decoder_layer_input: offload})")
+    if recipe is not None and not recipe.remat.mlp_chunk_tokens:
+        savers.append("compute the MLP in chunks (remat.mlp_chunk_tokens, e.g. 8192)")
+    return savers
 
 
 def _in_gb(amount: str) -> str:
@@ -79,7 +106,7 @@ def _in_gb(amount: str) -> str:
 def explain(err: BaseException) -> tuple[str, int] | None:
     """(one-line message, exit code) for an expected failure; None for a bug. Exit 2 is bad
     input found before anything compiled, exit 1 a run or command that failed."""
-    if isinstance(err, (RecipeError, DataError, OutputError, TokenizerError)):
+    if isinstance(err, (RecipeError, DataError, OutputError)):
         return str(err), 2
     if isinstance(err, RunFailure):
         return str(err), 1

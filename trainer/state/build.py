@@ -6,6 +6,7 @@ libtpu's topology devices: parallel/aot.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, NamedTuple
 
@@ -15,7 +16,8 @@ import numpy as np
 from jax.sharding import Mesh
 from rich.console import Console
 
-from lctrain.parallel import LayerStrategies, build_mesh, make_strategy
+from lctrain.parallel import (LayerStrategies, attention_blocks, attention_kernels, build_mesh,
+                              make_strategy)
 from lctrain.parallel.aot import memory_stats
 from lctrain.parallel.auto import (CompiledNeed, compiler_failed, compiler_failure,
                                    first_that_fits, none_fits, refused_need,
@@ -24,6 +26,7 @@ from lctrain.recipes import Recipe
 from lctrain.trainer.data.batches import Batch, DataSource
 from lctrain.trainer.model.remat import compiler_options
 from lctrain.trainer.outputs.failures import (DoesNotFit, RunFailure, is_out_of_memory,
+                                              is_scoped_vmem_oom, kernel_tiles_message,
                                               out_of_device_memory)
 from lctrain.trainer.state.device_checks import DevicePlan, allocator_limit, check_devices, \
     device_memory_bytes
@@ -73,7 +76,7 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
         name = strategy_name(strategy, ulysses)
         start = time.perf_counter()
         try:
-            run = build_run(recipe, devices, console)
+            run = build_kernel_that_fits(recipe, devices, console, report.append)
         except Exception as err:  # XLA's TPU compiler refuses a program over HBM
             if not is_out_of_memory(err):
                 failed = compiler_failure(name, err)
@@ -94,8 +97,34 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
         if all(map(compiler_failed, found)):
             raise RunFailure(f"{shortfall(found[0], None)} (docs/failures.md); name another "
                              f"parallel.strategy, or another data.seq_len")
-        raise DoesNotFit(out_of_device_memory(none_fits(found, memory_limit)))
+        raise DoesNotFit(out_of_device_memory(none_fits(found, memory_limit), recipe))
     return found[0]._replace(report=tuple(report))
+
+
+# What a recipe that left the attention kernel to lctrain falls back to when the chip's
+# choice does not fit a core's scoped VMEM: our kernel at the blocks every TPU compiles.
+SAFE_ATTENTION = dict(impl="pallas", block_q=512, block_kv=512)
+
+
+def build_kernel_that_fits(recipe: Recipe, devices, console: Console | None,
+                           say) -> CompiledRun:
+    """build_run, and on a scoped-VMEM failure (a kernel's tiles, not HBM) either once
+    more with SAFE_ATTENTION, where the recipe left the kernel or its blocks unset, or a
+    RunFailure naming the kernel and its tiles."""
+    try:
+        return build_run(recipe, devices, console)
+    except Exception as err:
+        if not is_scoped_vmem_oom(err):
+            raise
+        a = recipe.attention
+        tried = (f"{attention_kernels(recipe, devices)} with blocks of "
+                 f"{attention_blocks(recipe, devices)}")
+        if a.impl != "auto" and a.block_q and a.block_kv:
+            raise RunFailure(kernel_tiles_message(tried)) from err
+        say(f"{tried} does not fit the chip's scoped VMEM; trying attention.impl=pallas "
+            f"with blocks of 512")
+        recipe.attention = dataclasses.replace(a, **SAFE_ATTENTION)
+        return build_run(recipe, devices, console)
 
 
 def build_run(recipe: Recipe, devices, console: Console | None = None) -> CompiledRun:

@@ -22,7 +22,8 @@ from lctrain.trainer.data.provenance import write_record
 from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.evaluation.evaluate import Evaluator
 from lctrain.trainer.hf.weights import initial_state
-from lctrain.trainer.outputs.failures import RunFailure
+from lctrain.trainer.outputs.failures import (DoesNotFit, RunFailure, is_out_of_memory,
+                                              out_of_memory_message)
 from lctrain.trainer.outputs.progress import Bar, timed
 from lctrain.trainer.state.build import compile_run, device_batch, print_lines
 from lctrain.trainer.state.checkpoint import Checkpointer
@@ -202,13 +203,13 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
             Prefetcher(lambda index: device_batch(source, index, order, mesh),
                        next_batch) as batches:
         while step < total:
-            state, metrics = train_step(state, batches.get(next_batch))
+            state, metrics = _step(train_step, state, batches.get(next_batch), recipe,
+                                   wait=step == first_step)
             step, next_batch = step + 1, next_batch + 1
             throughput.steps += 1
             finite.push(step, metrics)
             logging = step % recipe.runtime.log_every == 0 or step == total
             if step == first_step + 1:
-                jax.block_until_ready(metrics)
                 console.print(f"first step took "
                               f"{time.perf_counter() - throughput.start:.1f} s")
                 if not logging:  # the program's load stays out of later reports
@@ -240,6 +241,23 @@ def _run_steps(recipe: Recipe, state: TrainState, next_batch: int, source, order
                 break
         finite.flush()
     return records
+
+
+def _step(train_step, state: TrainState, batch, recipe: Recipe, wait: bool):
+    """One step; `wait` for its result (the first). An out-of-memory failure is one line:
+    the figure, and what the recipe has not yet tried. The first step's program loads
+    beside the state and the prefetched batches, so a program the compiler accepted can
+    still find the device full; it fails before changing anything, every checkpoint as
+    it was."""
+    try:
+        state, metrics = train_step(state, batch)
+        if wait:
+            jax.block_until_ready(metrics)
+    except Exception as err:
+        if is_out_of_memory(err):
+            raise DoesNotFit(out_of_memory_message(err, recipe)) from err
+        raise
+    return state, metrics
 
 
 def _mixture_tokens(source, start: int, stop: int) -> dict[str, int]:
