@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from lctrain.cli.main import app
 from lctrain.parallel import planner
 from lctrain.parallel.chips import gigabytes
-from test_planner import TINY
+from test_planner import CONTEXT4, TINY, V5P, tiny
 
 
 def plan_cli(*args):
@@ -63,6 +63,49 @@ def test_plan_shows_the_recipes_own_strategy_first_and_what_switching_changes(pi
     rows = [row for row in table.output.splitlines() if row.startswith("│")]
     assert rows[0].split("│")[1].strip().startswith(f"{pinned}") and "(recipe)" in rows[0]
     assert line in " ".join(table.output.split())
+
+
+def plan_with_step_times(**seconds: float):
+    """The tiny model's plan with every strategy compute-bound at the given step times
+    (1 s where not given), recommended again."""
+    result = planner.plan(tiny(), V5P, CONTEXT4)
+    for p in result.plans:
+        p.compute_s = seconds.get(p.strategy, 1.0)
+    result.choice, result.reason = planner.recommend(result.plans)
+    return result
+
+
+def test_a_pinned_strategy_is_kept_for_a_difference_under_the_step_estimates_error():
+    """Equal steps: the recommendation is the simplest, all_gather, but a recipe that names
+    ring is not moved off it for an estimated step 0.0% slower (the plan said "the recipe
+    runs ring; parallel.strategy=all_gather would take ..., an estimated step 0.0% slower")."""
+    error = planner.STEP_TIME_ERROR
+    result = plan_with_step_times()
+    assert result.choice.strategy == "all_gather"
+    line = planner.against_recipe(result, "ring")
+    assert result.choice.strategy == "ring"
+    assert result.reason.startswith("the recipe's own: it fits (")
+    assert line.startswith("the recipe's ring is kept: parallel.strategy=all_gather")
+    assert "an estimated step 0.0% " in line and f"error ({error:.0%})" in line
+    # Faster, but by less than the error: kept too.
+    result = plan_with_step_times(ring=1 + error / 2)
+    planner.against_recipe(result, "ring")
+    assert result.choice.strategy == "ring"
+    # Faster by the error or more: the recommendation stands, and the line says what it gains.
+    result = plan_with_step_times(ring=1 + 2 * error)
+    line = planner.against_recipe(result, "ring")
+    assert result.choice.strategy == "all_gather"
+    assert line.startswith("the recipe runs ring; parallel.strategy=all_gather")
+    assert "an estimated step 30.0% faster" in line
+
+
+def test_a_pinned_strategy_that_does_not_fit_is_not_kept():
+    result = plan_with_step_times()
+    ring = next(p for p in result.plans if p.strategy == "ring")
+    ring.hbm_capacity = 1.0  # nothing fits in a byte
+    line = planner.against_recipe(result, "ring")
+    assert result.choice.strategy == "all_gather"
+    assert line.startswith("the recipe runs ring, which does not fit")
 
 
 def test_plan_table_and_max_seq():

@@ -25,6 +25,7 @@ One module per concern, each with its part of the model in its docstring:
 
 from __future__ import annotations
 
+from lctrain.parallel.planner.accuracy import STEP_TIME_ERROR
 from lctrain.parallel.planner.choice import TIE, against_recipe, candidates, plan, recommend
 from lctrain.parallel.planner.compiled import (Timer, attach_compiled, compile_figures,
                                                compiled_fits)
@@ -38,8 +39,9 @@ from lctrain.parallel.planner.shapes import (count_parameters, local_elements, l
 from lctrain.parallel.planner.traffic import KINDS
 
 __all__ = [
-    "CALIBRATION", "COMPILED_BISECT_STEPS", "HBM_HEADROOM", "KINDS", "TIE", "Plan",
-    "StrategyPlan", "Timer", "against_recipe", "attach_compiled", "candidates", "compile_figures",
+    "CALIBRATION", "COMPILED_BISECT_STEPS", "HBM_HEADROOM", "KINDS", "STEP_TIME_ERROR", "TIE",
+    "Plan", "StrategyPlan", "Timer", "against_recipe", "attach_compiled", "candidates",
+    "compile_figures",
     "compiled_fits", "count_parameters", "estimate", "gap_percent", "kernel_impl",
     "local_elements", "longest_sequences", "loss_chunks", "max_fitting", "max_seq_len",
     "mlp_chunk_len", "parameter_tensors", "plan", "recipe_for_strategy", "recommend",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.chips import Chip, gigabytes
 from lctrain.parallel.cost_model import NotOnThisMesh
-from lctrain.parallel.planner.accuracy import estimate_note
+from lctrain.parallel.planner.accuracy import STEP_TIME_ERROR, estimate_note
 from lctrain.parallel.planner.estimate import estimate, recipe_for_strategy
 from lctrain.parallel.planner.results import Plan, StrategyPlan
 from lctrain.parallel.strategy import check_kernel_layout
@@ -85,7 +85,10 @@ def put_first(result: Plan, strategy: str) -> StrategyPlan | None:
 
 def against_recipe(result: Plan, strategy: str) -> str:
     """One line: whether to keep the recipe's own strategy, and what switching to the
-    recommendation would gain or cost in memory and estimated step time."""
+    recommendation would gain or cost in memory and estimated step time. Where the
+    recipe's own fits and nothing that fits is estimated faster by STEP_TIME_ERROR or more,
+    the recipe's own becomes the recommendation: a smaller difference is the estimate's
+    noise, not a reason to move a user off the strategy they named."""
     own = put_first(result, strategy)
     if own is None:
         why = result.skipped.get(strategy, "not a candidate on this mesh")
@@ -93,14 +96,37 @@ def against_recipe(result: Plan, strategy: str) -> str:
     best = result.choice
     if best is None or best is own:
         return f"the recipe's {own.name} is the recommendation: keep it"
-    memory = best.deciding_hbm_bytes - own.deciding_hbm_bytes
-    speed = own.step_s / best.step_s - 1
-    change = (f"{gigabytes(abs(memory))} per device {'more' if memory > 0 else 'less'}, an "
-              f"estimated step {abs(speed):.1%} {'faster' if speed >= 0 else 'slower'}")
+    change = _switching(own, best)
+    if own.deciding_fits and not _clearly_faster_than(own, result.plans):
+        result.choice, result.reason = own, _kept_reason(own)
+        return (f"the recipe's {own.name} is kept: parallel.strategy={best.strategy}, the "
+                f"pick by estimate, would take {change}, a difference under the step "
+                f"estimate's error ({STEP_TIME_ERROR:.0%})")
     fits = ("" if own.deciding_fits else
             f", which does not fit ({gigabytes(own.deciding_hbm_bytes)} per device)")
     return (f"the recipe runs {own.name}{fits}; parallel.strategy={best.strategy} would take "
             f"{change}")
+
+
+def _switching(own: StrategyPlan, other: StrategyPlan) -> str:
+    """'6.01 GB per device less, an estimated step 0.0% slower': moving from own to other."""
+    memory = other.deciding_hbm_bytes - own.deciding_hbm_bytes
+    speed = own.step_s / other.step_s - 1
+    return (f"{gigabytes(abs(memory))} per device {'more' if memory > 0 else 'less'}, an "
+            f"estimated step {abs(speed):.1%} {'faster' if speed >= 0 else 'slower'}")
+
+
+def _clearly_faster_than(own: StrategyPlan, plans: list[StrategyPlan]) -> bool:
+    """Whether a plan that fits has an estimated step faster than own's by at least the
+    step estimate's error."""
+    fastest = min(p.step_s for p in plans if p.deciding_fits)
+    return own.step_s >= (1 + STEP_TIME_ERROR) * fastest
+
+
+def _kept_reason(own: StrategyPlan) -> str:
+    return (f"the recipe's own: it fits ({_fit_figures(own)}), and no strategy that fits has "
+            f"an estimated step faster by {STEP_TIME_ERROR:.0%} or more, the step estimate's "
+            f"error")
 
 
 def candidates(recipe: Recipe, axis_sizes: dict[str, int], platform: str = "tpu"
