@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli.main import app
 from lctrain.parallel import planner
-from lctrain.parallel.chips import gigabytes
+from lctrain.parallel.chips import GB, gigabytes
 from test_planner import CONTEXT4, TINY, V5P, tiny
 
 
@@ -106,6 +106,47 @@ def test_a_pinned_strategy_that_does_not_fit_is_not_kept():
     line = planner.against_recipe(result, "ring")
     assert result.choice.strategy == "all_gather"
     assert line.startswith("the recipe runs ring, which does not fit")
+
+
+def rendered_plan(width: int, compiled: bool) -> tuple[str, planner.Plan]:
+    """The tiny model's plan table, ring pinned, in a console `width` columns wide; with
+    --compile's columns (XLA's figures faked: nothing is compiled here)."""
+    import io
+
+    from rich.console import Console
+
+    from lctrain.cli.plan_render import render
+
+    result = planner.plan(tiny(), V5P, CONTEXT4)
+    for p in result.plans if compiled else []:
+        p.compiled = {"hbm_bytes": 1.25 * p.hbm_bytes, "host_bytes": 0,
+                      "collective_bytes": {"all-gather": 0.9 * p.comm_bytes}}
+    line = planner.against_recipe(result, "ring")
+    out = io.StringIO()
+    render(result, Console(file=out, width=width), line, title="tiny, seq 4,096, v5p:2x2x1")
+    return out.getvalue(), result
+
+
+@pytest.mark.parametrize("width", [80, 100])
+@pytest.mark.parametrize("compiled", [False, True], ids=["estimate", "compile"])
+def test_plan_table_is_whole_in_a_narrow_terminal(width, compiled):
+    """At 80 and 100 columns the table was cut: the fits column read '…', and with
+    --compile most columns did. Now it is stacked, every figure whole."""
+    text, result = rendered_plan(width, compiled)
+    assert "…" not in text
+    table_lines = [line for line in text.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table_lines and max(len(line) for line in table_lines) <= width
+    for p in result.plans:
+        figures = [f"{p.hbm_bytes / GB:,.2f}", f"{p.comm_bytes / GB:,.2f}", f"{p.mfu_bound:.0%}"]
+        if compiled:
+            figures += [f"{1.25 * p.hbm_bytes / GB:,.2f}", "-20.0%",
+                        f"{0.9 * p.comm_bytes / GB:,.2f}", "+11.1%"]
+        assert all(figure in text for figure in figures), (p.name, figures)
+    assert "fits" in text
+    # Each stacked table has every strategy's row.
+    tables = sum(line.startswith("┏") for line in table_lines)
+    assert text.count("ring (recipe)") == tables
+    assert tables == 1 or text.count("(continued)") == tables - 1
 
 
 def test_plan_table_and_max_seq():
