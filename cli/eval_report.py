@@ -13,6 +13,8 @@ from rich.table import Table
 
 from lctrain.trainer.outputs.files import written_into
 
+from .table_fit import CONTINUED, stacked
+
 
 def render_table(result: dict, console: Console) -> None:
     buckets = result["by_position"]
@@ -35,17 +37,31 @@ def render_table(result: dict, console: Console) -> None:
 
 
 def _render_retrieval(retrieval: dict, console: Console) -> None:
-    table = Table(title=f"{retrieval['task']} retrieval: share of the "
-                        f"{_samples(retrieval['samples_per_cell'])} per cell whose whole answer "
-                        f"is the argmax, by haystack length (rows) and needle depth (columns, %)",
-                  title_justify="left")
-    table.add_column("length", justify="right")
-    for depth in retrieval["depths"]:
-        table.add_column(f"{depth * 100:.0f}", justify="right")
-    for length, row in zip(retrieval["lengths"], retrieval["accuracy"]):
-        table.add_row(f"{length:,}", *(f"{value:.2f}" for value in row))
-    console.print(table)
+    title = (f"{retrieval['task']} retrieval: share of the "
+             f"{_samples(retrieval['samples_per_cell'])} per cell whose whole answer is the "
+             f"argmax, by needle depth (rows, %) and haystack length (columns, tokens), as in "
+             f"the heatmap")
+    lengths, depths = retrieval["lengths"], retrieval["depths"]
+    by_depth = depth_by_length(retrieval)
+
+    def table_of(columns: list[int], first: bool) -> Table:
+        table = Table(title=title if first else CONTINUED, title_justify="left")
+        table.add_column("depth", justify="right")
+        for column in columns:
+            table.add_column(f"{lengths[column]:,}", justify="right")
+        for depth, row in zip(depths, by_depth):
+            table.add_row(f"{depth * 100:.0f}", *(f"{row[column]:.2f}" for column in columns))
+        return table
+
+    for table in stacked(console, range(len(lengths)), table_of):
+        console.print(table)
     console.print(f"{retrieval['task']} accuracy over the grid: {retrieval['mean']:.3f}")
+
+
+def depth_by_length(retrieval: dict) -> list[list[float]]:
+    """The grid as the table and the heatmap show it, one row per needle depth and one
+    column per haystack length (eval.json keeps it by length, then depth)."""
+    return [list(column) for column in zip(*retrieval["accuracy"])]
 
 
 def _samples(count: int) -> str:
@@ -89,7 +105,7 @@ def heatmap_figure(retrieval: dict, weights: str):
     """The familiar needle-in-a-haystack picture: depth down, length across, green found;
     the title names the weights (run dir and step) and the samples behind each cell."""
     plt = _pyplot()
-    accuracy = [list(column) for column in zip(*retrieval["accuracy"])]  # depth x length
+    accuracy = depth_by_length(retrieval)
     lengths, depths = retrieval["lengths"], retrieval["depths"]
     figure, axis = plt.subplots(figsize=(2.2 + 0.9 * len(lengths), 5))
     image = axis.imshow(accuracy, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")

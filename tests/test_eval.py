@@ -251,3 +251,65 @@ def test_retrieval_table_counts_samples_in_good_grammar():
     render_table(result, Console(file=out, width=300))
     assert "share of the 1 sample per cell" in " ".join(out.getvalue().split())
     assert "1 samples" not in out.getvalue()
+
+
+def retrieval_grid(lengths: list[int], depths: list[float]) -> dict:
+    """A retrieval result whose every cell differs (eval.json's order: by length, then
+    depth)."""
+    accuracy = [[round((7 * i + 3 * j) % 10 / 10 + 0.01 * j, 2) for j in range(len(depths))]
+                for i in range(len(lengths))]
+    return {"task": "passkey", "lengths": lengths, "depths": depths, "accuracy": accuracy,
+            "mean": 0.5, "samples_per_cell": 4}
+
+
+def rendered_retrieval(retrieval: dict, width: int) -> str:
+    from rich.console import Console
+
+    from lctrain.cli.eval_report import render_table
+
+    out = io.StringIO()
+    render_table({**flat_result(), "retrieval": retrieval}, Console(file=out, width=width))
+    return out.getvalue()
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of every body row of the tables after the first (the loss table)."""
+    tables = text.split("┏")[2:]
+    return [[cell.strip() for cell in line.strip("│").split("│")]
+            for table in tables for line in table.splitlines() if line.startswith("│")]
+
+
+def test_retrieval_table_and_heatmap_share_their_axes():
+    """The heatmap has depth down and length across; the table had length down and depth
+    across. Both now put one needle depth on each row and one haystack length in each
+    column, and hold the same value in the same place."""
+    from lctrain.cli.eval_report import heatmap_figure
+
+    retrieval = retrieval_grid([128, 256, 512], [0.0, 0.5])
+    image = heatmap_figure(retrieval, "runs/long").axes[0]
+    assert image.get_ylabel() == "needle depth" and image.get_xlabel().startswith("haystack length")
+    grid = image.images[0].get_array()
+    assert grid.shape == (2, 3)  # depths x lengths
+    rows = table_rows(rendered_retrieval(retrieval, 200))
+    assert [row[0] for row in rows] == ["0", "50"]
+    assert [[float(cell) for cell in row[1:]] for row in rows] == grid.tolist()
+    assert "by needle depth (rows, %) and haystack length (columns, tokens)" in " ".join(
+        rendered_retrieval(retrieval, 200).split())
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_retrieval_table_is_whole_in_a_narrow_terminal(width):
+    """Eleven lengths up to 1M tokens by eleven depths read '0.…' at 80 and 100 columns;
+    now the lengths are stacked in tables that fit, every value whole and in its place."""
+    retrieval = retrieval_grid([2 ** k for k in range(10, 21)], [i / 10 for i in range(11)])
+    text = rendered_retrieval(retrieval, width)
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines() if line[:1] in "┏┃┡│└") <= width
+    headers = [line for line in text.splitlines() if line.startswith("┃")]
+    assert all(f"{length:,}" in " ".join(headers) for length in retrieval["lengths"])
+    by_depth: dict[str, list[str]] = {}
+    for row in table_rows(text):
+        by_depth.setdefault(row[0], []).extend(row[1:])
+    assert list(by_depth) == [f"{depth * 100:.0f}" for depth in retrieval["depths"]]
+    for j, cells in enumerate(by_depth.values()):
+        assert cells == [f"{row[j]:.2f}" for row in retrieval["accuracy"]]
