@@ -63,7 +63,8 @@ def run(
     num_processes: Optional[int] = NUM_PROCESSES,
     process_id: Optional[int] = PROCESS_ID,
 ) -> None:
-    """Train a model from a recipe, resuming from the run dir's latest checkpoint."""
+    """Train a model from a recipe, resuming from the run dir's latest checkpoint. One run
+    at a time per run dir; Ctrl-C or SIGTERM saves a checkpoint, then exits (Ctrl-C 130, SIGTERM 0)."""
     overrides = list(set_) + ([f"train.steps={steps}"] if steps is not None else [])
     if init_optimizer and not init_from:
         fail("--init-optimizer brings the optimizer state of --init-from's run; give "
@@ -106,8 +107,10 @@ def plan(
                                   "recipe, topology and versions are cached."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Per-device memory and communication of each context-parallel strategy, and a pick
-    (per device: a TPU7x chip is two)."""
+    """Per-device memory, communication and step time of each context-parallel strategy,
+    the recipe's own first, and a recommendation (per device: a TPU7x chip is two). A
+    recipe's own strategy that fits stays the recommendation unless another's estimated
+    step is faster by the estimate's error (15%) or more."""
     import json
 
     from lctrain.parallel import chips, planner

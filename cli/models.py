@@ -83,8 +83,9 @@ def eval_(
     set_: list[str] = SETS,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     out: Optional[Path] = typer.Option(
-        None, help="Folder for eval.json, loss_by_position.png and a retrieval task's "
-                   "heatmap (default: <run dir>/eval, replaced each time)."),
+        None, help="Folder for eval.json, loss_by_position.png and, with eval.task needle "
+                   "or passkey, <task>_heatmap.png (default: <run dir>/eval, replaced each "
+                   "time; never the run dir, its data's or model.init's folder)."),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Write into --out when it holds files, replacing an "
                                    "earlier eval's files there and nothing else."),
@@ -93,7 +94,11 @@ def eval_(
     process_id: Optional[int] = PROCESS_ID,
 ) -> None:
     """Loss, perplexity and next-token accuracy of a model, overall and by position, on
-    eval.source (default data.source), forward only, on the recipe's mesh and strategy."""
+    eval.source (default data.source), forward only, on the recipe's mesh and strategy.
+    With eval.task needle or passkey, also retrieval of a needle (a key-value sentence, or
+    five digits) by haystack length and depth: a table and <task>_heatmap.png, one depth
+    per row and one length per column. Writes eval.json and loss_by_position.png
+    (docs/evaluation.md)."""
     run_dir = run_dir or default_run_dir(recipe)
     from_run = recipe is None and (run_dir / "recipe.yaml").is_file()
     loaded = attempt(lambda: check_data(load_run_recipe(run_dir, set_) if from_run

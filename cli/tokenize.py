@@ -35,7 +35,8 @@ def tokenize(
         False, "--overwrite", help="Replace OUT (and its sidecar) when it exists."),
 ) -> None:
     """Tokenize text into a raw token file (uint16, or uint32 past 65,536 ids) and a sidecar
-    JSON that gives training its eos id and dtype."""
+    JSON that names the tokenizer (with a fingerprint) and gives training its eos id and
+    dtype."""
     workers = workers if workers is not None else os.cpu_count() or 1
     if workers < 1:
         fail(f"--workers {workers}: must be at least 1")

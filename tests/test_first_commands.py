@@ -243,3 +243,21 @@ def test_help_writes_no_type_after_a_flag(command):
              or "--overwrite" in line or "--compile" in line or "--debug" in line]
     assert flags and all("<bool>" not in line for line in flags), flags
     assert "<bool>" not in result.output
+
+
+@pytest.mark.parametrize("command, phrases", [
+    ("eval", ["With eval.task needle or passkey, also retrieval", "<task>_heatmap.png, one "
+              "depth per row and one length per column", "loss_by_position.png",
+              "never the run dir, its data's or model.init's folder"]),
+    ("run", ["One run at a time per run dir; Ctrl-C or SIGTERM saves a checkpoint"]),
+    ("plan", ["the recipe's own first, and a recommendation", "estimate's error"]),
+    ("tokenize", ["names the tokenizer (with a fingerprint)"]),
+])
+def test_help_says_what_docs_say(command, phrases):
+    """What README's command list and docs/ promise, in each command's --help (eval's said
+    nothing of the retrieval tasks and their pictures)."""
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.replace("│", " ").split())
+    missing = [phrase for phrase in phrases if phrase not in text]
+    assert not missing, text
