@@ -49,8 +49,9 @@ def test_plan_shows_the_recipes_own_strategy_first_and_what_switching_changes(pi
     assert len(plans) == 4  # the others are still weighed
     best = out["recommendation"]["strategy"]
     line = out["against_recipe"]
-    if best == pinned:
-        assert line == f"the recipe's {pinned} is the recommendation: keep it"
+    if best == pinned:  # the pick by estimate, or kept for a difference under its error
+        assert (line == f"the recipe's {pinned} is the recommendation: keep it"
+                or line.startswith(f"the recipe's {pinned} is kept: "))
     else:
         memory = plans[best]["hbm_bytes_per_device"] - plans[pinned]["hbm_bytes_per_device"]
         speed = plans[pinned]["step_time_s"] / plans[best]["step_time_s"] - 1
