@@ -34,7 +34,6 @@ import hashlib
 import itertools
 import json
 import os
-import re
 import subprocess
 import time
 from importlib import metadata
@@ -97,13 +96,6 @@ GRIDS = {
                         for seq in (8 * K, 32 * K)),
                   remats=("full", "minimal"), strategies=("all_gather", "ulysses", "ring")),
 }
-# XLA's out-of-memory messages give the bytes in binary units, either all of them ("Used
-# 97.24G of 95.74G hbm") or, refused earlier, the temporaries only ("the total memory
-# required for HLO temporaries (144.32G) exceeds available HBM (95.74G)").
-_NEEDED = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
-_NEEDED_TEMP = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
-                          r"\(([\d.]+)([KMGT])\)")
-_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,14 +198,15 @@ def grid_points(names: list[str]) -> tuple[list[Point], list[str]]:
 
 
 def needed_bytes(error: str) -> dict[str, int]:
-    """{"hbm_bytes" or "temp_bytes": what the program needs, "capacity_bytes": what the
-    chip has} from XLA's out-of-memory message ({} if it gives no figure)."""
-    for pattern, field in ((_NEEDED, "hbm_bytes"), (_NEEDED_TEMP, "temp_bytes")):
-        if found := pattern.search(error):
-            used, used_unit, capacity, capacity_unit = found.groups()
-            return {field: round(float(used) * _UNIT[used_unit]),
-                    "capacity_bytes": round(float(capacity) * _UNIT[capacity_unit])}
-    return {}
+    """{"hbm_bytes" or, where XLA refused before adding the arguments, "temp_bytes": what
+    the program needs, "capacity_bytes": what the chip has} from XLA's out-of-memory
+    message ({} if it gives no figure)."""
+    from lctrain.parallel.xla_failures import classify_message
+    failure = classify_message(error)
+    if failure.needed_bytes is None:
+        return {}
+    field = "temp_bytes" if failure.temporaries_only else "hbm_bytes"
+    return {field: failure.needed_bytes, "capacity_bytes": failure.capacity_bytes}
 
 
 def compile_point(point: Point, devices) -> dict:

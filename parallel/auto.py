@@ -18,13 +18,13 @@ compiles its first choice and, when XLA's own figure does not fit, falls back to
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable
 
 from lctrain.parallel import planner
 from lctrain.parallel.chips import CHIPS, Chip, chip_for_device_kind, gigabytes
 from lctrain.parallel.layer_strategies import strategy_name
-from lctrain.parallel.planner.results import COMPILER_FAILED, StrategyPlan, is_xla_error
+from lctrain.parallel.planner.results import StrategyPlan
+from lctrain.parallel.xla_failures import COMPILER_FAILED, classify, classify_message
 from lctrain.recipes.schema import Recipe, RecipeError
 
 # A strategy name, or (model.layer_pattern) a map layer kind -> name
@@ -190,24 +190,16 @@ def none_fits(needs: list[CompiledNeed], limit: int) -> str:
 
 
 def compiler_failure(name: str, err: BaseException) -> CompiledNeed | None:
-    """The need of a candidate XLA refused to compile for a reason other than memory
-    (libtpu 0.0.50: "UNIMPLEMENTED: No feasible span count for single input all reduce
-    scatter fusion ..."): no figure, ranked after every candidate that has one. None when
-    `err` is not XLA's."""
-    if not is_xla_error(err):
+    """The need of a candidate XLA refused to compile for a reason other than memory: no
+    figure, ranked after every candidate that has one. None when `err` is not XLA's."""
+    failure = classify(err)
+    if failure is None:
         return None
-    return CompiledNeed(name, 0, refused=f"{COMPILER_FAILED}: {str(err).splitlines()[0][:300]}")
-
-
-# XLA's TPU compiler refuses a program over HBM with "Used 97.24G of 95.74G hbm" or (libtpu
-# 0.0.42) "the total memory required for HLO temporaries (97.06G) exceeds available HBM", in
-# binary units.
-_COMPILER_NEED = re.compile(r"(?:Used |HLO temporaries \()([\d.]+)([KMGT])i?B?(?: of|\))")
+    return CompiledNeed(name, 0, refused=failure.recorded)
 
 
 def refused_need(name: str, message: str) -> CompiledNeed:
     """The need of a candidate XLA refused to compile for lack of memory (0 when its
     message gives no figure: it then ranks as the smallest only if every message does)."""
-    used = _COMPILER_NEED.search(message)
-    nbytes = float(used.group(1)) * 1024 ** "KMGT".index(used.group(2)) * 1024 if used else 0
-    return CompiledNeed(name, int(nbytes), refused=message.strip().splitlines()[0][:300])
+    failure = classify_message(message)
+    return CompiledNeed(name, failure.needed_bytes or 0, refused=failure.first_line)

@@ -131,11 +131,11 @@ def test_when_none_fits_the_failure_names_the_smallest_need():
              refused_need("ring", "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. "
                                   "Used 97.24G of 95.74G hbm. Exceeded hbm capacity by 1.50G."),
              CompiledNeed("usp (ulysses 2)", 98_000_000_000)]
-    assert needs[1].hbm_bytes == int(97.24 * 2**30) and "Used 97.24G" in needs[1].refused
+    assert needs[1].hbm_bytes == round(97.24 * 2**30) and "Used 97.24G" in needs[1].refused
     newer = refused_need("ring", "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
                                  "required for HLO temporaries (97.06G) exceeds available HBM "
                                  "(95.74G).")
-    assert newer.hbm_bytes == int(97.06 * 2**30)
+    assert newer.hbm_bytes == round(97.06 * 2**30)
     found = first_that_fits([("all_gather", 1), ("ring", 1), ("usp", 2)],
                             lambda s, u: (None, needs[["all_gather", "ring", "usp"].index(s)]),
                             95_700_000_000, lambda line: None)

@@ -19,6 +19,8 @@ from lctrain.trainer.outputs.progress import Bar, tracked
 from lctrain.trainer.state import build
 from lctrain.trainer.train import loop
 
+from test_xla_failures import RUNTIME, SCOPED_VMEM, USED, XLA_ERROR
+
 SHORT = ["--set", "data.seq_len=64", "--set", "runtime.log_every=1"]
 
 
@@ -57,10 +59,7 @@ def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
 
 
 def test_compiler_out_of_memory_gives_needed_and_available_hbm():
-    # The TPU compiler's wording (a compile of llama3.1-8b at 4M tokens on v5p:2x2x1).
-    err = type("JaxRuntimeError", (RuntimeError,), {})(
-        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
-        "space hbm. Used 97.24G of 95.74G hbm. Exceeded hbm capacity by 1.50G.")
+    err = XLA_ERROR(USED)
     assert "needs 104.41 GB per device of 102.80 GB hbm" in out_of_memory_message(err)
     assert explain(err)[1] == 1
     assert explain(MemoryError())[0].startswith("out of host memory")
@@ -166,15 +165,6 @@ def test_an_unreadable_checkpoint_is_one_line_to_the_end_of_the_process(tmp_path
         assert len(again.stderr.strip().splitlines()) == 1, again.stderr[-3000:]
 
 
-XLA_ERROR = type("JaxRuntimeError", (RuntimeError,), {})
-# libtpu's words for a kernel whose tiles overflow a core's scoped VMEM (splash, blocks
-# of 1024, 8K tokens on a v5e)
-SCOPED_VMEM = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: XLA:TPU compile "
-               "permanent error. Ran out of memory in memory space vmem while allocating on "
-               "stack for %splash_mha_dq_kernel. Scoped allocation with size 16.02M and "
-               "limit 16.00M exceeded scoped vmem limit by 16.00K.")
-
-
 def test_a_scoped_vmem_failure_is_a_kernel_tile_problem_not_hbm():
     message, code = explain(XLA_ERROR(SCOPED_VMEM))
     assert "scoped VMEM" in message and "attention.block_q" in message and code == 1
@@ -184,10 +174,9 @@ def test_a_scoped_vmem_failure_is_a_kernel_tile_problem_not_hbm():
 def test_out_of_memory_advice_leaves_out_what_the_recipe_already_does():
     """recipes/one_chip.yaml offloads its layer inputs and chunks its MLP: the advice is
     what it has not tried (a v5e's runtime OOM at 131,072 tokens said to offload)."""
-    err = XLA_ERROR("RESOURCE_EXHAUSTED: E0101: RuntimeProgramAllocationFailure: Error "
-                    "loading program 'jit_train_step': Attempting to allocate 30.01M.")
+    err = XLA_ERROR(RUNTIME)
     offloading = out_of_memory_message(err, load_recipe("recipes/one_chip.yaml"))
-    assert "could not allocate 0.03 GB" in offloading
+    assert "could not allocate 31.5 MB" in offloading
     assert "offload" not in offloading and "mlp_chunk_tokens" not in offloading
     assert "data.seq_len" in offloading
     full = out_of_memory_message(err, load_recipe("recipes/one_chip.yaml",

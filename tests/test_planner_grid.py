@@ -84,6 +84,17 @@ def test_a_recompiled_point_replaces_its_record(tmp_path):
         (["a=2"], 1), (["a=1"], 2)]
 
 
+
+def test_each_refused_point_stores_the_figures_its_message_gives():
+    """The refusals on record (libtpu 0.0.42's "HLO temporaries (...)" wording) read again
+    by parallel/xla_failures.py, the parser the run and auto share, give the stored bytes."""
+    refused = [r for r in grid.load_records() if r["fits"] is False]
+    assert refused
+    for record in refused:
+        stored = {field: record[field] for field in ("hbm_bytes", "temp_bytes", "capacity_bytes")
+                  if record.get(field) is not None}
+        assert grid.needed_bytes(record["error"]) == stored
+
 @pytest.mark.slow
 @needs_libtpu
 def test_stored_figure_is_what_the_compiler_says():

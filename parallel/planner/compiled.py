@@ -28,8 +28,8 @@ from typing import Any, Callable, ContextManager
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.planner.choice import recommend
 from lctrain.parallel.planner.estimate import recipe_for_plan
-from lctrain.parallel.planner.results import (ABORTED, COMPILER_FAILED, REFUSED, Plan,
-                                              fits_as_compiled, is_xla_error)
+from lctrain.parallel.planner.results import ABORTED, REFUSED, Plan, fits_as_compiled
+from lctrain.parallel.xla_failures import classify
 from lctrain.recipes import RecipeError
 from lctrain.recipes.schema import Recipe
 
@@ -71,11 +71,9 @@ def compile_figures(recipe: Recipe, devices, compile_step: CompileStep) -> dict:
     except RecipeError as err:                    # the device checks, before compiling
         return {**no_figures, "error": f"{REFUSED}: {err}"}
     except Exception as err:                      # XLA's errors come as JaxRuntimeError
-        if not is_xla_error(err):
+        if (failure := classify(err)) is None:
             raise
-        first_line = str(err).splitlines()[0][:300]
-        return {**no_figures, "error": (first_line if "RESOURCE_EXHAUSTED" in first_line
-                                        else f"{COMPILER_FAILED}: {first_line}")}
+        return {**no_figures, "error": failure.recorded}
     return {"hbm_bytes": stats.hbm_bytes,
             "host_bytes": stats.host_temp_bytes + stats.host_argument_bytes,
             "collective_bytes": dict(stats.collective_bytes),

@@ -6,21 +6,16 @@ import dataclasses
 
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.chips import Chip
+from lctrain.parallel.xla_failures import COMPILER_FAILED
 
 # Share of device HBM a plan may use; the rest is left for XLA's own reserve, fragmentation
 # and the estimate's error (the accuracy grid's worst case, see tests/test_planner.py).
 HBM_HEADROOM = 0.90
-# How a compile whose process libtpu killed is recorded (compiled.aborted_figures), one
-# that XLA refused for a reason other than memory, and one that lctrain's device checks
-# refused before compiling (compiled.compile_figures).
+# How a compile whose process libtpu killed is recorded (compiled.aborted_figures), and one
+# that lctrain's device checks refused before compiling (compiled.compile_figures); one
+# that XLA refused for a reason other than memory is COMPILER_FAILED's.
 ABORTED = "compiler aborted"
-COMPILER_FAILED = "compiler failed"
 REFUSED = "refused before compiling"
-
-
-def is_xla_error(err: BaseException) -> bool:
-    """An error XLA raised (jax names its class differently across versions)."""
-    return type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
 
 
 @dataclasses.dataclass

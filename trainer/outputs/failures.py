@@ -4,8 +4,6 @@ neither jax nor orbax, so the CLI can use it before jax starts."""
 
 from __future__ import annotations
 
-import re
-
 from lctrain.recipes.schema import RecipeError
 from lctrain.trainer.outputs.files import OutputError
 
@@ -27,24 +25,28 @@ class DoesNotFit(RunFailure):
     from out_of_device_memory)."""
 
 
-# XLA's out-of-memory messages: the TPU compiler's ("Ran out of memory in memory space hbm.
-# Used 97.24G of 95.74G hbm. Exceeded hbm capacity by 1.50G.") and the allocators' at run
-# time ("Out of memory allocating 17592186044416 bytes.", "Attempting to allocate 4.00G").
-_COMPILER_OOM = re.compile(r"Used (\S+) of (\S+) (\w+)")
-_ALLOCATOR_OOM = re.compile(r"(?:allocating|allocate) (\d+ bytes|[\d.]+\s?[KMGT]i?B?)")
-
-
 def is_out_of_memory(err: BaseException) -> bool:
     """Out of host memory, or of a device's HBM or scoped VMEM (is_scoped_vmem_oom)."""
-    return isinstance(err, MemoryError) or (
-        type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
-        and "RESOURCE_EXHAUSTED" in str(err))
+    if isinstance(err, MemoryError):
+        return True
+    failure = _xla_failure(err)
+    return failure is not None and failure.out_of_memory
 
 
 def is_scoped_vmem_oom(err: BaseException) -> bool:
     """A Pallas kernel's tiles need more of a TPU core's scoped VMEM (16 MiB on v5e) than it
     has (libtpu's E1001 CompileTimeScopedVmemOom): a tile problem, not HBM."""
-    return is_out_of_memory(err) and "ScopedVmemOom" in str(err)
+    from lctrain.parallel.xla_failures import SCOPED_VMEM_OOM
+    failure = _xla_failure(err)
+    return failure is not None and failure.kind == SCOPED_VMEM_OOM
+
+
+def _xla_failure(err: BaseException):
+    """parallel/xla_failures.classify(err), imported here rather than at the top: the
+    parallel package imports jax, which this module must not (the CLI reads it before jax
+    starts), and an error that may be XLA's comes from a process that runs jax."""
+    from lctrain.parallel.xla_failures import classify
+    return classify(err)
 
 
 def kernel_tiles_message(kernel: str) -> str:
@@ -62,14 +64,7 @@ def out_of_memory_message(err: BaseException, recipe=None) -> str:
                 "on more hosts")
     if is_scoped_vmem_oom(err):
         return kernel_tiles_message("the recipe's attention.impl and blocks")
-    text = str(err)
-    if used := _COMPILER_OOM.search(text):
-        figure = (f"the program needs {_in_gb(used.group(1))} per device of "
-                  f"{_in_gb(used.group(2))} {used.group(3)}")
-    elif wanted := _ALLOCATOR_OOM.search(text):
-        figure = f"a device could not allocate {_in_gb(wanted.group(1))}"
-    else:
-        figure = text.strip().splitlines()[0][:200]
+    figure = device_memory_figure(err)
     return out_of_device_memory(figure, recipe)
 
 
@@ -92,15 +87,20 @@ def memory_savers(recipe=None) -> list[str]:
     return savers
 
 
-def _in_gb(amount: str) -> str:
-    """XLA's amount ("97.24G", binary units like all its messages, or "4096 bytes") in
-    decimal GB, the one unit lctrain shows memory in."""
-    if amount.endswith(" bytes"):
-        nbytes = float(amount.split()[0])
-    else:
-        number, unit = re.fullmatch(r"([\d.]+)\s?([KMGT]?)i?B?", amount).groups()
-        nbytes = float(number) * 1024 ** (" KMGT".index(unit or " "))
-    return f"{nbytes / 1e9:,.2f} GB"
+def device_memory_figure(err: BaseException) -> str:
+    """What XLA's out-of-memory message says was needed, in GB (its own first line where it
+    gives no figure)."""
+    from lctrain.parallel.chips import gigabytes
+    from lctrain.parallel.xla_failures import classify_message
+    failure = classify_message(str(err))
+    if failure.needed_bytes is not None:
+        need = ("the program's temporaries need" if failure.temporaries_only
+                else "the program needs")
+        return (f"{need} {gigabytes(failure.needed_bytes)} per device of "
+                f"{gigabytes(failure.capacity_bytes)} hbm")
+    if failure.allocation_bytes is not None:
+        return f"a device could not allocate {gigabytes(failure.allocation_bytes)}"
+    return failure.first_line
 
 
 def explain(err: BaseException) -> tuple[str, int] | None:
@@ -110,9 +110,9 @@ def explain(err: BaseException) -> tuple[str, int] | None:
         return str(err), 2
     if isinstance(err, RunFailure):
         return str(err), 1
-    if is_out_of_memory(err):
-        return out_of_memory_message(err), 1
     if isinstance(err, OSError) and err.strerror:
         where = f"{err.filename}: " if err.filename else ""
         return f"{where}{err.strerror}", 1
+    if is_out_of_memory(err):
+        return out_of_memory_message(err), 1
     return None
