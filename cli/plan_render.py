@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from lctrain.parallel.chips import GB
+from lctrain.parallel.chips import gb_figure
 
 from .table_fit import CONTINUED, stacked
 
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def _gb(x: float | None) -> str:
-    return "-" if x is None else f"{x / GB:,.2f}"
+    return "-" if x is None else gb_figure(x)
 
 
 def _seconds(x: float) -> str:

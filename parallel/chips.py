@@ -34,7 +34,12 @@ GBIT = 10**9 / 8   # bytes per second in one Gb/s
 
 def gigabytes(nbytes: float) -> str:
     """A memory figure as users read it everywhere: decimal GB (MB below 0.1 GB)."""
-    return f"{nbytes / GB:,.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:,.1f} MB"
+    return f"{gb_figure(nbytes)} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:,.1f} MB"
+
+
+def gb_figure(nbytes: float) -> str:
+    """The number alone, in decimal GB: a table's cell under a GB heading."""
+    return f"{nbytes / GB:,.2f}"
 
 
 @dataclass(frozen=True)
