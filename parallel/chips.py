@@ -65,9 +65,11 @@ class Chip:
             dcn_bytes_per_s=self.dcn_bytes_per_s and self.dcn_bytes_per_s / n)
 
 
+# HBM is what the runtime hands a program, as libtpu reports it (v5p 95.74 GiB; a v5e's
+# 16 GiB less the runtime's own: 15.75 GiB, seen on a lent chip and in an AOT compile).
 CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
     Chip("v4", 32 * GB, 275e12, 45e9, 6, 100 * GB, ("TPU v4",), 1228 * GB),
-    Chip("v5e", 16 * GB, 197e12, 45e9, 4, 48 * GB, ("TPU v5 lite", "TPU v5e"), 819 * GB,
+    Chip("v5e", 15.75 * GIB, 197e12, 45e9, 4, 48 * GB, ("TPU v5 lite", "TPU v5e"), 819 * GB,
          dcn_bytes_per_s=25 * GBIT),
     Chip("v5p", 95.74 * GIB, 459e12, 90e9, 6, 112 * GB, ("TPU v5p", "TPU v5"), 2765 * GB,
          dcn_bytes_per_s=50 * GBIT),
@@ -78,6 +80,23 @@ CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
     Chip("h100", 80 * GB, 989e12, 450e9, 1, 250 * GB, ("H100",), 3350 * GB),
     Chip("h200", 141 * GB, 989e12, 450e9, 1, 250 * GB, ("H200",), 4800 * GB),
 )}
+
+
+# What a TPU program needs beside the buffers XLA's TPU compiler checks against HBM: its own
+# code (30 MB for a 4-layer train step), the batches prefetched beside it and the runtime's
+# own. On a v5e a step the compiler accepted failed to load 3.5 MB short of its code
+# (benchmarks/RESULTS.md, "One v5e chip, 2026-12-07"), so the compiler is given the HBM
+# less this (compile_options_for): a program it accepts leaves room to load.
+LOAD_RESERVE_BYTES = 256 * 2**20
+
+
+def compile_options_for(device) -> dict[str, str]:
+    """XLA options that make the TPU compiler's own memory check leave LOAD_RESERVE_BYTES
+    free (jax's device or an AOT topology's); none for other devices."""
+    chip = chip_for_device_kind(device.device_kind) if device.platform == "tpu" else None
+    if chip is None:
+        return {}
+    return {"xla_tpu_max_hbm_size_mib": str(int(chip.hbm_bytes - LOAD_RESERVE_BYTES) >> 20)}
 
 
 def chip_named(name: str) -> Chip:

@@ -11,6 +11,7 @@ import math
 import pytest
 
 from lctrain.parallel import aot
+from lctrain.parallel.chips import compile_options_for
 from lctrain.parallel.hlo_kernels import relayouts_next_to_kernels
 from lctrain.recipes import load_recipe
 from lctrain.trainer.state import build
@@ -263,10 +264,12 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
 @needs_libtpu
 def test_a_single_v5e_chip_compiles_with_the_chips_measured_kernel():
     """libtpu refuses 'v5e:1x1' with its default host of 2x2 chips; lctrain asks for a host
-    of exactly that shape. The step compiled for it calls our Pallas kernel with the
-    blocks measured fastest on a v5e (kernels/tiles.py), as a run on that chip would."""
+    of exactly that shape. The step compiles for it with our Pallas kernel (auto on a
+    v5e: kernels/tiles.py) and the compiler's HBM limit lowered (libtpu takes the option)."""
     devices = aot.topology_devices("v5e:1x1")
     assert len(devices) == 1 and devices[0].device_kind == "TPU v5 lite"
+    # the compiler's HBM check leaves room to load the program: 15.75 GiB less 256 MiB
+    assert compile_options_for(devices[0]) == {"xla_tpu_max_hbm_size_mib": "15872"}
     recipe = load_recipe("tiny", ["model.dtype=bfloat16", "mesh.data=1", "data.batch_size=1",
                                   "data.seq_len=8192"])
     run = build.build_run(recipe, devices)

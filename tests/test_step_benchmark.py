@@ -45,6 +45,8 @@ def test_mfu_is_model_flops_over_the_chips_peak(monkeypatch):
 def test_without_an_accelerator_it_says_so_and_exits_0(capsys):
     assert benchmark("step").main([]) == 0
     assert "no accelerator here" in capsys.readouterr().out
+    assert benchmark("chip_check").main([]) == 0
+    assert "no TPU here (jax's backend is cpu)" in capsys.readouterr().out
 
 
 def test_a_cpu_row_has_consistent_figures_and_no_mfu():

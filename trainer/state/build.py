@@ -19,6 +19,7 @@ from rich.console import Console
 from lctrain.parallel import (LayerStrategies, attention_blocks, attention_kernels, build_mesh,
                               make_strategy)
 from lctrain.parallel.aot import memory_stats
+from lctrain.parallel.chips import compile_options_for
 from lctrain.parallel.auto import (CompiledNeed, compiler_failed, compiler_failure,
                                    first_that_fits, none_fits, refused_need,
                                    shortfall, strategy_name)
@@ -65,8 +66,9 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
     platform = devices[0].platform
     if memory_limit is None and platform in ("tpu", "gpu"):
         memory_limit = allocator_limit(devices) or device_memory_bytes(devices)
-    # On a TPU the compiler is the check: libtpu refuses a program whose buffers exceed HBM,
-    # and the compiled figure (memory_analysis()'s sum) overstates what the chip holds
+    # On a TPU the compiler is the check: libtpu refuses a program whose buffers exceed HBM
+    # less what loading it needs (chips.LOAD_RESERVE_BYTES), and the compiled figure
+    # (memory_analysis()'s sum) overstates what the chip holds
     # (parallel/planner/results.fits_as_compiled). A GPU's compiler checks nothing.
     compared_limit = None if platform == "tpu" else memory_limit
 
@@ -135,8 +137,10 @@ def build_run(recipe: Recipe, devices, console: Console | None = None) -> Compil
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)
     step = make_train_step(recipe, trainable, strategy, mesh)
+    device = mesh.devices.flat[0]
+    options = compiler_options(recipe, device.platform) | compile_options_for(device)
     compiled = step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile(
-        compiler_options(recipe, mesh.devices.flat[0].platform))
+        options)
     return CompiledRun(mesh, strategy, trainable, compiled)
 
 
