@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import assert_close
 from lctrain.kernels.gdn import (final_state, gated_delta_rule, recurrent_gated_delta_rule,
                                  reset_at_document_starts)
 from lctrain.kernels.jaxpr_walk import equations
@@ -61,10 +62,9 @@ def packed_positions(seq):
     return (index - latest).astype(np.int32)
 
 
-def assert_close(got, want, names):
-    for name, x, y in zip(names, got, want):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=TOL, rtol=TOL,
-                                   err_msg=name)
+def assert_named_close(got, want, names):
+    """The arrays of `got` and `want`, named in order by `names`, within TOL."""
+    assert_close(dict(zip(names, got)), dict(zip(names, want)), TOL, rtol=TOL)
 
 
 @pytest.mark.parametrize("chunk, seq", [(4, 48), (16, 50), (64, 50), (64, 130)])
@@ -73,7 +73,7 @@ def test_chunked_matches_recurrence(chunk, seq):
     q, k, v, g, beta, state, *_ = inputs(seq)
     got = chunked(chunk)(q, k, v, g, beta, initial_state=state)
     want = recurrent(q, k, v, g, beta, initial_state=state)
-    assert_close(got, want, ("out", "final state"))
+    assert_named_close(got, want, ("out", "final state"))
 
 
 @pytest.mark.parametrize("chunk", [16, 64])
@@ -87,7 +87,7 @@ def test_chunked_matches_transformers(chunk):
         initial_state=torch.from_numpy(state), output_final_state=True,
         use_qk_l2norm_in_kernel=True)
     got = chunked(chunk)(q, k, v, g, beta, initial_state=state)
-    assert_close(got, (out.numpy(), final.numpy()), ("out", "final state"))
+    assert_named_close(got, (out.numpy(), final.numpy()), ("out", "final state"))
 
 
 def test_document_starts_reset_the_state():
@@ -97,8 +97,8 @@ def test_document_starts_reset_the_state():
     q, k, v, g, beta, state, *_ = inputs(seq)
     g = reset_at_document_starts(g, packed_positions(seq))
     out, final = chunked(16)(q, k, v, g, beta, initial_state=state)
-    assert_close((out, final), recurrent(q, k, v, g, beta, initial_state=state),
-                 ("out", "final state"))
+    assert_named_close((out, final), recurrent(q, k, v, g, beta, initial_state=state),
+                       ("out", "final state"))
     alone = chunked(16)(*(x[:1, 5:32] for x in (q, k, v, g, beta)))[0]
     np.testing.assert_allclose(out[:1, 5:32], alone, atol=TOL)
 
@@ -121,7 +121,7 @@ def test_custom_vjp_matches_autodiff_of_recurrence(packed):
         g = np.asarray(reset_at_document_starts(g, packed_positions(seq)))
     got = jax.jit(functools.partial(gradients, chunked(16)))(q, k, v, g, beta, *rest)
     want = jax.jit(functools.partial(gradients, recurrent))(q, k, v, g, beta, *rest)
-    assert_close(got, want, GRADIENT_NAMES)
+    assert_named_close(got, want, GRADIENT_NAMES)
     if packed:  # the gates at document starts get no gradient, as in the recurrence
         assert not np.asarray(got[5])[np.isneginf(g)].any()
 
@@ -147,10 +147,10 @@ def test_final_state_widens_the_values_in_the_kernel():
         return recurrent_gated_delta_rule(q, k, widened, g, beta, initial_state=state)[1]
 
     args = (k, v, g, beta, wide_state)
-    assert_close([ours(*args)], [reference(*args)], ["final state"])
+    assert_named_close([ours(*args)], [reference(*args)], ["final state"])
     names = ("dk", "dv", "dg", "dbeta", "d initial state")
-    assert_close(jax.grad(functools.partial(loss, ours), argnums=range(5))(*args),
-                 jax.grad(functools.partial(loss, reference), argnums=range(5))(*args), names)
+    assert_named_close(jax.grad(functools.partial(loss, ours), argnums=range(5))(*args),
+                       jax.grad(functools.partial(loss, reference), argnums=range(5))(*args), names)
 
 
 def strategy_for(context, load_balance, extra=()):
@@ -196,8 +196,8 @@ CONTEXT_CASES = [(2, False, []), (4, True, []),
 @pytest.mark.parametrize("context, load_balance, extra", CONTEXT_CASES)
 def test_state_passing_matches_one_device(context, load_balance, extra):
     strategy = strategy_for(context, load_balance, extra)
-    assert_close(context_parallel_gradients(strategy, 48), one_device_gradients(48),
-                 ("out", "dq", "dk", "dv", "dg", "dbeta"))
+    assert_named_close(context_parallel_gradients(strategy, 48), one_device_gradients(48),
+                       ("out", "dq", "dk", "dv", "dg", "dbeta"))
 
 
 def state_passing_gather_bytes(seq):

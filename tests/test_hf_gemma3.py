@@ -22,8 +22,8 @@ from lctrain.trainer.state.step import make_forward
 from lctrain.trainer.train.resume import check_rerun
 
 from make_hf_model import make_gemma3_model
-from test_hf import (BATCH, SEQ, assert_close, hf_logits_and_loss, loaded, our_loss, recipe_for,
-                     tokens)
+from test_hf import (BATCH, SEQ, assert_logits_close, hf_logits_and_loss, loaded, our_loss,
+                     recipe_for, tokens)
 from test_hf_errors import run_fails
 
 WINDOW = 8  # of SEQ = 64 tokens: the sliding layers see far less than the global ones
@@ -74,7 +74,7 @@ def test_logits_and_loss_match_transformers(gemma3):
     recipe = recipe_for(folder)
     positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ))
     ours = our_logits(recipe, ids[:, :SEQ], positions, np.ones((BATCH, SEQ), np.int32))
-    assert_close(ours, reference_logits)
+    assert_logits_close(ours, reference_logits)
     assert our_loss(recipe, ids, jax.devices()[:1]) == pytest.approx(reference_loss, rel=1e-4)
 
 
@@ -101,7 +101,7 @@ def test_packed_documents_match_each_document_alone(gemma3):
     for start, stop in [(0, first), (first, SEQ)]:
         with torch.no_grad():
             alone = model(input_ids=torch.tensor(ids[:, start:stop], dtype=torch.long)).logits
-        assert_close(ours[:, start:stop], alone.numpy())
+        assert_logits_close(ours[:, start:stop], alone.numpy())
 
 
 def exported_and_reloaded(folder, out):
@@ -121,7 +121,7 @@ def test_export_reloads_in_transformers_with_the_same_logits(gemma3, tmp_path):
     assert reloaded.config.rope_parameters["full_attention"]["rope_type"] == "linear"
     assert reloaded.config.rope_parameters["sliding_attention"]["rope_type"] == "default"
     ids = tokens(4)
-    assert_close(hf_logits_and_loss(reloaded, ids)[0], hf_logits_and_loss(model, ids)[0])
+    assert_logits_close(hf_logits_and_loss(reloaded, ids)[0], hf_logits_and_loss(model, ids)[0])
 
 
 def test_export_refuses_rope_scaling_on_sliding_layers(gemma3):

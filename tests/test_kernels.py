@@ -18,7 +18,7 @@ import pytest
 
 from lctrain.kernels import IMPLS, attention, resolve_impl
 from lctrain.kernels.xla import largest_divisor_at_most
-from kernel_harness import assert_close, largest_intermediate
+from kernel_harness import assert_kernel_close, largest_intermediate
 from reference import dense_attention, merge_partials
 
 # f32: max abs error bound. Inputs are N(0, 1), so outputs, lse and grads are
@@ -136,7 +136,7 @@ def test_gqa_ratios(gqa, causal):
     q, k, v = _qkv(gqa, hkv=HQ // gqa)
     pos, seg = _arange(S), _one_segment(S)
     got, want = _run(q, k, v, pos, pos, seg, seg, causal=causal, seed=gqa)
-    assert_close(got, want, _f32_bounds())
+    assert_kernel_close(got, want, _f32_bounds())
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -146,7 +146,7 @@ def test_packed_segments(causal):
     q, k, v = _qkv(10)
     pos, seg = _packed(S, n_docs=4, seed=10)
     got, want = _run(q, k, v, pos, pos, seg, seg, causal=causal)
-    assert_close(got, want, _f32_bounds())
+    assert_kernel_close(got, want, _f32_bounds())
     one = _one_segment(S)
     unpacked, _ = _run(q, k, v, pos, pos, one, one, causal=causal)
     assert np.max(np.abs(got["out"] - unpacked["out"])) > 0.1
@@ -161,7 +161,7 @@ def test_ring_step_offsets(kv_chunk):
     seg = _one_segment(S)
     got, want = _run(q, k, v, _arange(S, 2 * S), _arange(S, kv_chunk * S), seg, seg,
                      causal=True, seed=kv_chunk)
-    assert_close(got, want, _f32_bounds())
+    assert_kernel_close(got, want, _f32_bounds())
     assert np.all(np.isfinite(got["lse"]))  # every query sees at least one key
 
 
@@ -174,7 +174,7 @@ def test_ring_step_future_chunk_is_fully_masked():
     assert np.all(np.isneginf(got["lse"])) and np.all(np.isneginf(want["lse"]))
     for name in ("out", "dq", "dk", "dv"):
         assert np.all(got[name] == 0), name
-    assert_close(got, want, _f32_bounds(0.0))
+    assert_kernel_close(got, want, _f32_bounds(0.0))
 
 
 @jax.jit
@@ -209,7 +209,7 @@ def test_merge_through_lse_like_a_ring():
     names = ("out", "lse", "dq", "dk", "dv")
     got = {n: np.asarray(x) for n, x in zip(names, got)}
     want = {n: np.asarray(x) for n, x in zip(names, want)}
-    assert_close(got, want, _f32_bounds())
+    assert_kernel_close(got, want, _f32_bounds())
 
 
 def test_some_rows_empty():
@@ -224,7 +224,7 @@ def test_some_rows_empty():
     assert np.all(np.isneginf(got["lse"][:, :, empty]))
     assert np.all(got["out"][:, empty] == 0)
     assert np.all(np.isfinite(np.delete(got["lse"], empty, axis=2)))
-    assert_close(got, want, _f32_bounds())
+    assert_kernel_close(got, want, _f32_bounds())
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one_doc", "packed"])
@@ -247,7 +247,7 @@ def test_load_balanced_permutation(packed):
     _, ref = _run(q, k, v, pos, pos, seg, seg, causal=True,
                   cotangents=(cot_out[:, inv], cot_lse[:, :, inv]))
     want = {n: shuffle(x, axis=2 if n == "lse" else 1) for n, x in ref.items()}
-    assert_close(got, want, _f32_bounds())
+    assert_kernel_close(got, want, _f32_bounds())
 
 
 def test_bf16_inputs():
@@ -258,7 +258,7 @@ def test_bf16_inputs():
     pos, seg = _packed(S, n_docs=2, seed=40)
     got, want = _run(q, k, v, pos, pos, seg, seg, causal=True)
     bounds = {n: BF16_REL * float(np.max(np.abs(want[n]))) for n in ("out", "dq", "dk", "dv")}
-    assert_close(got, want, {**bounds, "lse": BF16_LSE_TOL})
+    assert_kernel_close(got, want, {**bounds, "lse": BF16_LSE_TOL})
 
 
 @pytest.mark.parametrize("causal,sq,skv,block_q,block_kv", [
@@ -271,7 +271,7 @@ def test_sq_differs_from_skv(causal, sq, skv, block_q, block_kv):
     q, k, v = _qkv(11, sq, skv, hkv=4)
     got, want = _run(q, k, v, _arange(sq, offset=skv - sq), _arange(skv), _one_segment(sq),
                      _one_segment(skv), causal=causal, block_q=block_q, block_kv=block_kv)
-    assert_close(got, want, _f32_bounds())
+    assert_kernel_close(got, want, _f32_bounds())
 
 
 def test_block_sizes_are_largest_divisors():

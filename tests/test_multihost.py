@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from helpers import lctrain_run
 from lctrain.trainer.hf.safetensors_io import SafetensorsFolder
 from lctrain.trainer.train.distributed import several_tpu_hosts
 
@@ -19,15 +20,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def lctrain(run_dir, *extra, steps=4):
+def ring_run(run_dir, *settings, steps=4):
     # A constant learning rate after warmup (min_lr_ratio 1), so that a run to 4 steps
     # resumed to 6 follows the same schedule as a run to 6.
-    return [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(run_dir),
-            "--set", f"train.steps={steps}", "--set", "train.warmup_steps=1",
-            "--set", "train.min_lr_ratio=1.0",
-            "--set", "runtime.log_every=1", "--set", "checkpoint.every=2",
-            "--set", "data.seq_len=64", "--set", "mesh.data=2", "--set", "mesh.context=4",
-            "--set", "parallel.strategy=ring", *extra]
+    return lctrain_run(run_dir, f"train.steps={steps}", "train.warmup_steps=1",
+                       "train.min_lr_ratio=1.0", "runtime.log_every=1", "checkpoint.every=2",
+                       "data.seq_len=64", "mesh.data=2", "mesh.context=4",
+                       "parallel.strategy=ring", *settings)
 
 
 def losses(run_dir):
@@ -39,9 +38,9 @@ ENV = {**os.environ, "XLA_FLAGS": ""}
 
 
 def two_processes(run_dir, steps, command=None):
-    """`command` (default: lctrain(run_dir, steps=steps)) in two processes of 4 devices."""
+    """`command` (default: ring_run(run_dir, steps=steps)) in two processes of 4 devices."""
     coordinator = f"127.0.0.1:{free_port()}"
-    command = command or lctrain(run_dir, "--set", "runtime.cpu_devices=4", steps=steps)
+    command = command or ring_run(run_dir, "runtime.cpu_devices=4", steps=steps)
     processes = [subprocess.Popen(
         [*command, "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -53,7 +52,7 @@ def two_processes(run_dir, steps, command=None):
 
 def test_two_processes_match_one_and_resume_across_processes(tmp_path):
     single = tmp_path / "single"
-    subprocess.run(lctrain(single, steps=6), check=True, env=ENV, capture_output=True,
+    subprocess.run(ring_run(single, steps=6), check=True, env=ENV, capture_output=True,
                    timeout=300)
 
     multi = tmp_path / "multi"

@@ -4,11 +4,14 @@ train step sends across slices (slow, needs libtpu)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from helpers import TINY_MODEL, tiny_recipe
 from lctrain.cli.main import app
 from lctrain.parallel import planner
 from lctrain.parallel.chips import CHIPS
@@ -18,18 +21,13 @@ from lctrain.recipes import RecipeError, check_against_devices, load_recipe
 from tpu_aot import needs_libtpu
 
 V5P = CHIPS["v5p"]
-# tests/test_planner.py's tiny model (2 layers, width 128, 8 query / 2 KV heads of 16,
-# d_ff 384, vocab 128, bf16), two sequences of 4096 tokens.
-TINY = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_heads=8",
-        "model.n_kv_heads=2", "model.d_ff=384", "model.vocab=128", "model.dtype=bfloat16",
-        "data.seq_len=4096", "data.batch_size=2", "parallel.strategy=ring",
-        "attention.impl=xla")
+# helpers.TINY_MODEL, two sequences of 4096 tokens on a ring.
+TINY = (*TINY_MODEL, "data.batch_size=2", "parallel.strategy=ring")
 L, E = 2, 128
 MATRICES = 2 * 16384 + 2 * 4096 + 3 * 49152        # one layer's weight matrices
 
 
-def tiny(*extra: str):
-    return load_recipe("tiny", [*TINY, *extra])
+tiny = functools.partial(tiny_recipe, TINY)
 
 
 def slice_of_each_position(mesh, slice_of) -> np.ndarray:

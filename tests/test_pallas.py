@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_harness import (F32_TOL, NAMES, KernelCase, assert_close, bf16_bounds,
+from kernel_harness import (F32_TOL, NAMES, KernelCase, assert_kernel_close, bf16_bounds,
                             check_kv_halves, compiled_for_four_v5p_chips,
                             kernel_call_names, largest_intermediate, max_err)
 from lctrain.kernels import pallas, triton
@@ -46,7 +46,7 @@ def test_gqa_ratios_causal(case, gqa):
     q, k, v = case.qkv(gqa, hkv=HQ // gqa)
     pos, seg = case.arange(), case.one_segment()
     got, want = case.run(q, k, v, pos, pos, seg, seg, seed=gqa)
-    assert_close(got, want)
+    assert_kernel_close(got, want)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -56,7 +56,7 @@ def test_packed_segments(case, causal):
     q, k, v = case.qkv(10)
     pos, seg = case.packed(n_docs=4, seed=10)
     got, want = case.run(q, k, v, pos, pos, seg, seg, causal=causal, seed=10)
-    assert_close(got, want)
+    assert_kernel_close(got, want)
 
 
 @pytest.mark.parametrize("kv_chunk", [0, 1, 2], ids=["kv0", "kv1", "diagonal"])
@@ -68,7 +68,7 @@ def test_ring_step_offsets(case, kv_chunk):
     seg = case.one_segment()
     got, want = case.run(q, k, v, case.arange(offset=2 * S), case.arange(offset=kv_chunk * S),
                          seg, seg, seed=kv_chunk)
-    assert_close(got, want)
+    assert_kernel_close(got, want)
     assert np.all(np.isfinite(got["lse"]))
 
 
@@ -81,7 +81,7 @@ def test_ring_step_future_chunk_is_fully_masked(case):
     assert np.all(np.isneginf(got["lse"]))
     for name in ("out", "dq", "dk", "dv"):
         assert np.all(got[name] == 0), name
-    assert_close(got, want, dict.fromkeys(NAMES, 0.0))
+    assert_kernel_close(got, want, dict.fromkeys(NAMES, 0.0))
 
 
 @pytest.mark.parametrize("scenario", ["causal", "later_documents", "earlier_documents"])
@@ -126,7 +126,7 @@ def test_some_rows_empty(case):
     assert np.all(np.isneginf(got["lse"][:, :, empty]))
     assert np.all(got["out"][:, empty] == 0) and np.all(got["dq"][:, empty] == 0)
     assert np.all(np.isfinite(np.delete(got["lse"], empty, axis=2)))
-    assert_close(got, want)
+    assert_kernel_close(got, want)
 
 
 def test_load_balanced_permutation(case):
@@ -147,7 +147,7 @@ def test_load_balanced_permutation(case):
     _, ref = case.run(q, k, v, pos, pos, seg, seg,
                       cotangents=(cot_out[:, inv], cot_lse[:, :, inv]))
     want = {n: shuffle(x, axis=2 if n == "lse" else 1) for n, x in ref.items()}
-    assert_close(got, want)
+    assert_kernel_close(got, want)
 
 
 def test_bf16_inputs(case):
@@ -157,7 +157,7 @@ def test_bf16_inputs(case):
     q, k, v = case.qkv(40, dtype=jnp.bfloat16)
     pos, seg = case.packed(n_docs=2, seed=40)
     got, want = case.run(q, k, v, pos, pos, seg, seg, seed=40)
-    assert_close(got, want, bf16_bounds(want))
+    assert_kernel_close(got, want, bf16_bounds(want))
 
 
 def test_kv_halves_like_a_ring(case):

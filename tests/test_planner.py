@@ -5,12 +5,14 @@ tests/test_plan_command.py."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 import jax
 import pytest
 
+from helpers import TINY_MODEL, tiny_recipe
 from lctrain.parallel import planner
 from lctrain.parallel.auto import choose_strategy
 from lctrain.parallel.chips import CHIPS
@@ -19,16 +21,10 @@ from tpu_aot import needs_libtpu
 
 V5P = CHIPS["v5p"]
 CONTEXT4 = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
-# The tiny preset pinned (2 layers, width 128, 8 query / 2 KV heads of 16, d_ff 384, vocab
-# 128), bfloat16, one sequence of 4096 tokens over 4 context-parallel chips.
-TINY = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_heads=8",
-        "model.n_kv_heads=2", "model.d_ff=384", "model.vocab=128", "model.dtype=bfloat16",
-        "data.seq_len=4096", "data.batch_size=1", "mesh.data=1", "mesh.context=4",
-        "parallel.strategy=all_gather", "attention.impl=xla")
-
-
-def tiny(*extra: str):
-    return load_recipe("tiny", [*TINY, *extra])
+# helpers.TINY_MODEL, one sequence of 4096 tokens over 4 context-parallel chips.
+TINY = (*TINY_MODEL, "data.batch_size=1", "mesh.data=1", "mesh.context=4",
+        "parallel.strategy=all_gather")
+tiny = functools.partial(tiny_recipe, TINY)
 
 
 # ------------------------------------------------------------ parameters ----

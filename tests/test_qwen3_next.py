@@ -21,7 +21,8 @@ from lctrain.trainer.model.transformer import Attention
 
 from make_hf_model import make_qwen3_next_model
 from reference import dense_attention
-from test_hf import BATCH, SEQ, assert_close, hf_logits_and_loss, our_loss, recipe_for, tokens
+from test_hf import (BATCH, SEQ, assert_logits_close, hf_logits_and_loss, our_loss, recipe_for,
+                     tokens)
 from test_hf_gemma3 import exported_and_reloaded, our_logits
 
 E, H, KV, D, TOKENS = 32, 4, 2, 16, 24
@@ -129,7 +130,7 @@ def test_logits_and_loss_match_transformers(qwen3_next):
     recipe = recipe_for(folder, "model.linear_chunk=8")
     positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ))
     ours = our_logits(recipe, ids[:, :SEQ], positions, np.ones((BATCH, SEQ), np.int32))
-    assert_close(ours, reference_logits)
+    assert_logits_close(ours, reference_logits)
     assert our_loss(recipe, ids, jax.devices()[:1]) == pytest.approx(reference_loss, rel=1e-4)
 
 
@@ -150,4 +151,4 @@ def test_export_reloads_in_transformers_with_the_same_logits(qwen3_next, tmp_pat
     assert config["model_type"] == "qwen3_next" and config["layer_types"] == LAYER_TYPES
     assert reloaded.config.rope_parameters["partial_rotary_factor"] == 0.5
     ids = tokens(4)
-    assert_close(hf_logits_and_loss(reloaded, ids)[0], hf_logits_and_loss(model, ids)[0])
+    assert_logits_close(hf_logits_and_loss(reloaded, ids)[0], hf_logits_and_loss(model, ids)[0])

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_harness import (KernelCase, assert_close, bf16_bounds, check_kv_halves,
+from kernel_harness import (KernelCase, assert_kernel_close, bf16_bounds, check_kv_halves,
                             compiled_for_four_v5p_chips, kernel_call_names)
 from lctrain.kernels import attention, resolve_impl, splash
 from lctrain.parallel import STRATEGIES
@@ -41,7 +41,7 @@ def test_gqa_ratios_causal(gqa):
     q, k, v = CASE.qkv(gqa, hkv=CASE.hq // gqa)
     pos, seg = CASE.arange(), CASE.one_segment()
     got, want = CASE.run(q, k, v, pos, pos, seg, seg, seed=gqa)
-    assert_close(got, want)
+    assert_kernel_close(got, want)
 
 
 def test_odd_number_of_blocks():
@@ -49,7 +49,7 @@ def test_odd_number_of_blocks():
     case = dataclasses.replace(CASE, s=384)
     q, k, v = case.qkv(70)
     _, seg = case.packed(n_docs=2, seed=70)
-    assert_close(*case.run(q, k, v, case.arange(), case.arange(), seg, seg, seed=70))
+    assert_kernel_close(*case.run(q, k, v, case.arange(), case.arange(), seg, seg, seed=70))
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -59,7 +59,7 @@ def test_packed_segments(causal):
     q, k, v = CASE.qkv(10)
     pos, seg = _packed_indices(n_docs=4, seed=10)
     got, want = CASE.run(q, k, v, pos, pos, seg, seg, causal=causal, seed=10)
-    assert_close(got, want)
+    assert_kernel_close(got, want)
 
 
 @pytest.mark.parametrize("kv_chunk", [0, 1, 2, 3], ids=["kv0", "kv1", "diagonal", "future"])
@@ -71,7 +71,7 @@ def test_ring_step_offsets(kv_chunk):
     seg = CASE.one_segment()
     got, want = CASE.run(q, k, v, CASE.arange(offset=2 * CASE.s),
                          CASE.arange(offset=kv_chunk * CASE.s), seg, seg, seed=kv_chunk)
-    assert_close(got, want)
+    assert_kernel_close(got, want)
     if kv_chunk == 3:
         assert np.all(np.isneginf(got["lse"]))
         assert all(np.all(got[name] == 0) for name in ("out", "dq", "dk", "dv"))
@@ -85,7 +85,7 @@ def test_load_balanced_layout():
     order = load_balanced_order(CASE.s, 2)
     pos, seg = (x[:, order] for x in _packed_indices(n_docs=3, seed=30))
     got, want = CASE.run(q, k, v, pos, pos, seg, seg, seed=30)
-    assert_close(got, want)
+    assert_kernel_close(got, want)
 
 
 def test_some_rows_empty():
@@ -100,7 +100,7 @@ def test_some_rows_empty():
     empty = [*range(CASE.block), *range(200, 210)]
     assert np.all(np.isneginf(got["lse"][:, :, empty]))
     assert np.all(got["out"][:, empty] == 0) and np.all(got["dq"][:, empty] == 0)
-    assert_close(got, want)
+    assert_kernel_close(got, want)
 
 
 @pytest.mark.parametrize("block_q, block_kv", [(128, 256), (256, 128)])
@@ -111,10 +111,10 @@ def test_unequal_blocks(block_q, block_kv):
     case = dataclasses.replace(CASE, block=block_q, block_kv=block_kv)
     q, k, v = case.qkv(60)
     pos, seg = _packed_indices(n_docs=3, seed=60)
-    assert_close(*case.run(q, k, v, pos, pos, seg, seg, seed=60))
+    assert_kernel_close(*case.run(q, k, v, pos, pos, seg, seg, seed=60))
     one = case.one_segment()
-    assert_close(*case.run(q, k, v, case.arange(offset=case.s), case.arange(offset=case.s // 2),
-                           one, one, seed=61))
+    assert_kernel_close(*case.run(q, k, v, case.arange(offset=case.s),
+                                  case.arange(offset=case.s // 2), one, one, seed=61))
 
 
 def test_kv_halves_like_a_ring():
@@ -131,7 +131,7 @@ def test_bf16_inputs():
     q, k, v = CASE.qkv(40, dtype=jnp.bfloat16)
     pos, seg = _packed_indices(n_docs=2, seed=40)
     got, want = CASE.run(q, k, v, pos, pos, seg, seg, seed=40)
-    assert_close(got, want, bf16_bounds(want))
+    assert_kernel_close(got, want, bf16_bounds(want))
 
 
 def test_positions_off_the_block_grid_give_nan_not_a_wrong_answer():

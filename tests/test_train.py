@@ -5,13 +5,13 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import pytest
 
+from helpers import lctrain_run
 from lctrain.parallel import make_strategy
 from lctrain.recipes import load_recipe
 from lctrain.trainer.data.sources import make_source
@@ -96,10 +96,10 @@ def test_default_recipe_learns_the_copy_task(tmp_path):
     assert accuracy[121] > 0.85 and np.delete(accuracy, 121).max() < 0.3, accuracy
 
 
-def lctrain(run_dir, *args):
-    return [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(run_dir),
-            "--set", "train.steps=30", "--set", "checkpoint.every=2",
-            "--set", "runtime.log_every=1", "--set", "data.seq_len=64", *args]
+def resumable_run(run_dir):
+    """A run to kill and resume: 30 steps of 64 tokens, a checkpoint every 2, each logged."""
+    return lctrain_run(run_dir, "train.steps=30", "checkpoint.every=2", "runtime.log_every=1",
+                       "data.seq_len=64")
 
 
 def logged_records(run_dir):
@@ -150,13 +150,13 @@ def test_killed_three_times_resumes_with_identical_losses(tmp_path):
     (the compile comes from the cache of tests/subprocess_env.py); three cover both kinds."""
     env = subprocess_env()
     uninterrupted = tmp_path / "uninterrupted"
-    subprocess.run(lctrain(uninterrupted), check=True, env=env, capture_output=True)
+    subprocess.run(resumable_run(uninterrupted), check=True, env=env, capture_output=True)
 
     killed = tmp_path / "killed"
     rng = np.random.default_rng(0)
     for round_ in range(3):
         reached = max(losses_by_step(killed), default=0)
-        process = subprocess.Popen(lctrain(killed), env=env, stdout=subprocess.DEVNULL,
+        process = subprocess.Popen(resumable_run(killed), env=env, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
         if round_ == 0:
             wait_until(lambda: saving_now(killed))
@@ -166,7 +166,7 @@ def test_killed_three_times_resumes_with_identical_losses(tmp_path):
         process.send_signal(signal.SIGKILL)
         process.wait()
     assert max(losses_by_step(killed)) < 30
-    resumed = subprocess.run(lctrain(killed), check=True, env=env, capture_output=True,
+    resumed = subprocess.run(resumable_run(killed), check=True, env=env, capture_output=True,
                              text=True)
     resumed_at = int(re.search(r"resumed from checkpoint at step (\d+)", resumed.stdout)[1])
     # Each resume cut metrics.jsonl and TensorBoard back to its checkpoint's step: every

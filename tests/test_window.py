@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_harness import F32_TOL, KernelCase, assert_close, max_err
+from kernel_harness import F32_TOL, KernelCase, assert_kernel_close, max_err
 from lctrain.kernels import attention, impl_for_call
 from lctrain.kernels.masks import every_key_visible, pair_allowed, some_keys_visible
 from lctrain.parallel.strategy import load_balanced_order
@@ -46,7 +46,7 @@ def test_windowed_kernel_matches_dense(impl, window, layout):
     case = CASES[impl]
     q, k, v = case.qkv(window)
     pos, seg = _layout(case, layout)
-    assert_close(*case.run(q, k, v, pos, pos, seg, seg, seed=window, window=window))
+    assert_kernel_close(*case.run(q, k, v, pos, pos, seg, seg, seed=window, window=window))
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -58,7 +58,7 @@ def test_window_of_the_whole_sequence_is_global(impl):
     pos, seg = case.packed(n_docs=2, seed=5)
     got, _ = case.run(q, k, v, pos, pos, seg, seg, seed=5, window=S)
     _, global_reference = case.run(q, k, v, pos, pos, seg, seg, seed=5)
-    assert_close(got, global_reference)
+    assert_kernel_close(got, global_reference)
 
 
 @pytest.mark.parametrize("impl", ["pallas", "triton"])
