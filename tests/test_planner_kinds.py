@@ -12,6 +12,7 @@ from lctrain.parallel.auto import choose_strategy, ranked_strategies
 from lctrain.parallel.chips import CHIPS
 from lctrain.parallel.halo import Halo
 from lctrain.parallel.hlo import collective_bytes
+from lctrain.parallel.model_arithmetic import keys_per_query, training_flops_per_token
 from lctrain.parallel.planner import layer_kinds
 from lctrain.parallel.planner.estimate import recipe_for_plan
 from lctrain.parallel.planner.shapes import dims
@@ -77,7 +78,7 @@ def test_sliding_layers_cost_window_over_sequence_attention_flops():
     recipe = mixed("data.seq_len=8192")
     s = recipe.data.seq_len
     sliding_share = (WINDOW - WINDOW * (WINDOW - 1) / (2 * s)) / (s / 2)
-    assert layer_kinds.attention_keys_per_query(recipe) == pytest.approx(
+    assert keys_per_query(recipe.model, s) == pytest.approx(
         (GLOBAL_LAYERS + SLIDING_LAYERS * sliding_share) / 7)
     # Fewer attention flops than the same layers all global.
     all_global = load_recipe("tiny", [*ALL_GLOBAL, "data.seq_len=8192", "parallel.strategy=ring"])
@@ -156,17 +157,15 @@ def test_plan_shows_each_kinds_choice_and_compiles_the_map():
      (1 + (64 - 64 * 63 / 1024) / 256) / 2),
     ("[{kind: linear, count: 3}, {kind: global}]", 1 / 4)])
 def test_mfu_counts_attention_per_layer_kind(pattern, keys):
-    """The run's MFU (trainer/train/metrics) and the planner count a sliding layer's window and
-    no attention in linear layers: by hand, at 512 tokens, a [sliding, global] model's
-    query sees (1 + (w - w(w-1)/2s) / (s/2)) / 2 of an all-global model's keys on average
-    over its layers; [linear x3, global] a quarter."""
-    from lctrain.trainer.train.metrics import training_flops_per_token
-
+    """The run's MFU and the planner (parallel/model_arithmetic) count a sliding layer's
+    window and no attention in linear layers: by hand, at 512 tokens, a [sliding, global]
+    model's query sees (1 + (w - w(w-1)/2s) / (s/2)) / 2 of an all-global model's keys on
+    average over its layers; [linear x3, global] a quarter."""
     recipe = load_recipe("tiny", ["model.layers=4", "data.seq_len=512",
                                 f"model.layer_pattern={pattern}"])
     m = recipe.model
     attention = 6 * m.layers * 512 * m.n_heads * m.head_dim
-    assert layer_kinds.attention_keys_per_query(recipe) == pytest.approx(keys)
+    assert keys_per_query(m, 512) == pytest.approx(keys)
     assert training_flops_per_token(m, 512) == pytest.approx(
         6 * planner.count_parameters(m) + attention * keys)
 

@@ -25,7 +25,7 @@ import jax
 import pytest
 from rich.console import Console
 
-from lctrain.parallel.planner.shapes import count_parameters, parameter_tensors
+from lctrain.parallel.model_arithmetic import count_parameters, parameter_tensors
 from lctrain.recipes import load_recipe
 from lctrain.trainer.state.device_checks import check_devices, check_host_memory
 from lctrain.recipes.schema import RecipeError

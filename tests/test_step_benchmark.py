@@ -12,7 +12,7 @@ import pytest
 from lctrain.parallel.chips import CHIPS
 from lctrain.recipes import load_recipe
 from lctrain.trainer.train.loop import Throughput
-from lctrain.trainer.train.metrics import training_flops_per_token
+from lctrain.parallel.model_arithmetic import training_flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +73,7 @@ def test_attention_accuracy_check_measures_bf16_rounding_and_nothing_else():
                                               ("8b", 8_030_261_248)])
 def test_model_shapes_have_the_published_parameter_counts(model, published):
     """The counts of Llama 3.2 1B and 3B and Llama 3.1 8B's safetensors."""
-    from lctrain.parallel.planner.shapes import count_parameters
+    from lctrain.parallel.model_arithmetic import count_parameters
 
     recipe = load_recipe("tiny", benchmark("step").MODELS[model])
     assert count_parameters(recipe.model) == published

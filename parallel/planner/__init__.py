@@ -11,7 +11,8 @@ against what XLA's TPU compiler does with them (`lctrain plan --compile`,
 Where the compiler does something the code does not say, the term says so.
 
 One module per concern, each with its part of the model in its docstring:
-  shapes     the notation, the parameters and one device's dimensions (Dims)
+  shapes     the notation and one device's dimensions (Dims); the parameters and FLOPs
+             per token are parallel/model_arithmetic.py's, which the trainer reads too
   memory     HBM and host bytes at the peak, and the calibration against XLA
   traffic    bytes received per step, by source and collective kind
   timing     compute and communication time, what the step waits for
@@ -25,6 +26,7 @@ One module per concern, each with its part of the model in its docstring:
 
 from __future__ import annotations
 
+from lctrain.parallel.model_arithmetic import count_parameters, parameter_tensors
 from lctrain.parallel.planner.accuracy import STEP_TIME_ERROR
 from lctrain.parallel.planner.choice import TIE, against_recipe, candidates, plan, recommend
 from lctrain.parallel.planner.compiled import (Timer, attach_compiled, compile_figures,
@@ -34,8 +36,7 @@ from lctrain.parallel.planner.memory import CALIBRATION, kernel_impl
 from lctrain.parallel.planner.results import HBM_HEADROOM, Plan, StrategyPlan, gap_percent
 from lctrain.parallel.planner.search import (COMPILED_BISECT_STEPS, longest_sequences, max_fitting,
                                              max_seq_len, sequence_quantum, with_seq_len)
-from lctrain.parallel.planner.shapes import (count_parameters, local_elements, loss_chunks,
-                                             mlp_chunk_len, parameter_tensors)
+from lctrain.parallel.planner.shapes import local_elements, loss_chunks, mlp_chunk_len
 from lctrain.parallel.planner.traffic import KINDS
 
 __all__ = [

@@ -26,7 +26,7 @@ from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import AttentionFootprint, Dims, RingTiming, Traffic
 from lctrain.parallel.halo import check_halo_window
 from lctrain.parallel.strategy import stored_chunk_tokens
-from lctrain.recipes.schema import ModelConfig, Recipe
+from lctrain.recipes.schema import Recipe
 
 # (strategy name, ulysses degree) of each layer kind
 KindChoice = dict[str, tuple[str, int]]
@@ -130,26 +130,6 @@ def cost_model(recipe: Recipe, axis_sizes: dict[str, int], choice: KindChoice,
     dims = kind_dims(recipe, axis_sizes, choice, dims_for)
     return KindsCostModel({kind: (STRATEGIES[name], dims[kind])
                            for kind, (name, _) in choice.items()})
-
-
-def keys_per_query(cfg: ModelConfig, seq_len: int) -> float:
-    """Keys a query attends to, on average over the layers, in units of a causal global
-    layer's s/2: a sliding query at position p sees min(window, p + 1) keys."""
-    total = 0.0
-    for kind in cfg.layer_kinds():
-        if kind == "linear":
-            continue
-        window = cfg.layer_group(kind).window
-        if window is None or window >= seq_len:
-            total += 1
-        else:
-            total += (window - window * (window - 1) / (2 * seq_len)) / (seq_len / 2)
-    return total / cfg.layers
-
-
-def attention_keys_per_query(recipe: Recipe) -> float:
-    """keys_per_query for the recipe's model and length."""
-    return keys_per_query(recipe.model, recipe.data.seq_len)
 
 
 @dataclasses.dataclass(frozen=True)

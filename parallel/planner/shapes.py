@@ -1,4 +1,5 @@
-"""The shapes the planner counts: the model's parameters and one device's share of a step.
+"""The shapes the planner counts: one device's share of the model's parameters
+(parallel/model_arithmetic.py) and of a step.
 
 Notation (per device): b rows of the batch (batch / (data*fsdp*accum)), c = mesh.context
 (ring x ulysses), s_l = seq/c tokens, t = mesh.tensor, Z = fsdp*c (the ZeRO-3 group that
@@ -10,87 +11,13 @@ Ulysses degree u and ring degree r), the form every strategy's cost model is wri
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterable
 
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.cost_model import Dims
 from lctrain.parallel.token_chunks import chunks_for, resolve_chunk_tokens
-from lctrain.recipes.schema import ModelConfig, Recipe
-
-BYTES = {"bfloat16": 2, "float32": 4}
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    name: str
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]   # logical axis names (trainer/model/transformer.py)
-    layers: int                    # how many layers hold one (0: not a layer's)
-
-    @property
-    def per_layer(self) -> bool:
-        return self.layers > 0
-
-
-def parameter_tensors(m: ModelConfig) -> list[Tensor]:
-    """The model's parameters as trainer/model/transformer.py creates them (layers stacked):
-    the one inventory that the planner, the parameter count and the FLOP count read."""
-    e, h, kv, d, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab
-    linear = m.layer_kinds().count("linear")
-    attention = m.layers - linear
-    tensors = [
-        Tensor("embedding", (v, e), ("vocab", "embed"), 0),
-        Tensor("attention_norm", (e,), ("embed",), m.layers),
-        Tensor("mlp_norm", (e,), ("embed",), m.layers),
-        Tensor("gate", (e, f), ("embed", "mlp"), m.layers),
-        Tensor("up", (e, f), ("embed", "mlp"), m.layers),
-        Tensor("down", (f, e), ("mlp", "embed"), m.layers),
-        Tensor("final_norm", (e,), ("embed",), 0),
-    ]
-    if attention:
-        tensors += [
-            Tensor("wq", (e, h, d), ("embed", "heads", "head_dim"), attention),
-            Tensor("wk", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
-            Tensor("wv", (e, kv, d), ("embed", "kv_heads", "head_dim"), attention),
-            Tensor("wo", (h, d, e), ("heads", "head_dim", "embed"), attention)]
-    if attention and m.qkv_bias:  # Qwen2
-        tensors += [Tensor("bq", (h, d), ("heads", "head_dim"), attention),
-                    Tensor("bk", (kv, d), ("kv_heads", "head_dim"), attention),
-                    Tensor("bv", (kv, d), ("kv_heads", "head_dim"), attention)]
-    if attention and m.attention_output_gate:  # Qwen3-Next
-        tensors.append(Tensor("wg", (e, h, d), ("embed", "heads", "head_dim"), attention))
-    if attention and m.qk_norm:
-        tensors += [Tensor(name, (d,), ("head_dim",), attention) for name in ("q_norm", "k_norm")]
-    if m.post_norms:
-        tensors += [Tensor(name, (e,), ("embed",), m.layers)
-                    for name in ("attention_post_norm", "mlp_post_norm")]
-    if linear:
-        tensors += linear_tensors(m, linear)
-    if not m.tie_embeddings:
-        tensors.append(Tensor("unembedding", (e, v), ("embed", "vocab"), 0))
-    return tensors
-
-
-def linear_tensors(m: ModelConfig, layers: int) -> list[Tensor]:
-    """A Gated DeltaNet's parameters (trainer/model/gdn_layer.GatedDeltaNet), in `layers`
-    layers."""
-    e, kernel = m.d_model, m.linear_conv_kernel
-    hk, hv, dk, dv = (m.linear_key_heads, m.linear_value_heads, m.linear_key_head_dim,
-                      m.linear_value_head_dim)
-    keys, values = ("kv_heads", "head_dim"), ("heads", "head_dim")
-    return [Tensor(name, shape, axes, layers) for name, shape, axes in [
-        ("linear_wq", (e, hk, dk), ("embed", *keys)), ("linear_wk", (e, hk, dk), ("embed", *keys)),
-        ("linear_wv", (e, hv, dv), ("embed", *values)),
-        ("linear_wz", (e, hv, dv), ("embed", *values)),
-        ("linear_wb", (e, hv), ("embed", "heads")), ("linear_wa", (e, hv), ("embed", "heads")),
-        ("linear_conv_q", (kernel, hk, dk), (None, *keys)),
-        ("linear_conv_k", (kernel, hk, dk), (None, *keys)),
-        ("linear_conv_v", (kernel, hv, dv), (None, *values)),
-        ("linear_dt_bias", (hv,), ("heads",)), ("linear_a_log", (hv,), ("heads",)),
-        ("linear_norm_scale", (dv,), ("head_dim",)),
-        ("linear_wo", (hv, dv, e), (*values, "embed"))]]
-
+from lctrain.parallel.model_arithmetic import BYTES, Tensor, parameter_tensors
+from lctrain.recipes.schema import Recipe
 
 def _logical_sizes(axis_sizes: dict[str, int]) -> dict[str, int]:
     """Mesh size behind each logical axis (parallel/sharding.py LOGICAL_TO_MESH)."""
@@ -110,10 +37,6 @@ def local_elements(tensor: Tensor, axis_sizes: dict[str, int],
         size = sizes.get(axis, 1) if (shard is None or axis in shard) else 1
         count *= dim // size if dim % size == 0 else dim
     return count
-
-
-def count_parameters(model: ModelConfig) -> int:
-    return sum(math.prod(t.shape) * max(t.layers, 1) for t in parameter_tensors(model))
 
 
 @dataclasses.dataclass(frozen=True)

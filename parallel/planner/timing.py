@@ -1,14 +1,14 @@
 """How long a step's compute and traffic take, and which traffic the step waits for.
 
-Time: compute = (6 x parameters + 6 L s h d_head / 2) flops per token (trainer/train/metrics.py)
-plus what remat recomputes, at the chip's bf16 peak; each collective kind at the link
-bandwidth (one link for the ring's one-way sends, two for XLA's bidirectional rings), the
-part that crosses slices (traffic.DCN sources) at the chip's share of DCN bandwidth. The
-weight gathers, gradient reductions and loss-head traffic can overlap the compute; the
-strategy's own gathers / all-to-alls cannot (attention waits for them), nor the part of a
-ring send that outlasts its step's attention. Step = max(compute, overlappable traffic) +
-exposed traffic; the ring adds its memory-bound merges at HBM bandwidth. MFU bound = model
-flops / (peak x step).
+Time: compute = (6 x parameters + 6 L s h d_head / 2) flops per token
+(parallel/model_arithmetic.py) plus what remat recomputes, at the chip's bf16 peak; each
+collective kind at the link bandwidth (one link for the ring's one-way sends, two for XLA's
+bidirectional rings), the part that crosses slices (traffic.DCN sources) at the chip's
+share of DCN bandwidth. The weight gathers, gradient reductions and loss-head traffic can
+overlap the compute; the strategy's own gathers / all-to-alls cannot (attention waits for
+them), nor the part of a ring send that outlasts its step's attention. Step = max(compute,
+overlappable traffic) + exposed traffic; the ring adds its memory-bound merges at HBM
+bandwidth. MFU bound = model flops / (peak x step).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import math
 
 from lctrain.parallel.chips import Chip
 from lctrain.parallel.cost_model import RING_SENDS, RingTiming, Traffic
-from lctrain.parallel.planner import layer_kinds
-from lctrain.parallel.planner.shapes import checkpoint_shares, count_parameters, loss_chunks
+from lctrain.parallel.model_arithmetic import (attention_forward_flops_per_token,
+                                               count_parameters, training_flops_per_token)
+from lctrain.parallel.planner.shapes import checkpoint_shares, loss_chunks
 from lctrain.parallel.planner.traffic import DCN
 from lctrain.recipes.schema import Recipe
 
@@ -69,16 +70,14 @@ def _bandwidth(chip: Chip, kind: str, across_slices: bool = False) -> float:
 
 
 def _flops_per_device(recipe: Recipe, axis_sizes: dict[str, int]) -> dict:
-    """Model flops (trainer/train/metrics.training_flops_per_token) and hardware flops (plus
-    what remat recomputes) per device per step."""
+    """Model flops (model_arithmetic.training_flops_per_token, as the run's MFU counts them)
+    and hardware flops (plus what remat recomputes) per device per step."""
     m = recipe.model
     devices = math.prod(axis_sizes.values())
     tokens = recipe.data.batch_size * recipe.data.seq_len
     params = count_parameters(recipe.model)
-    attention_fwd = 2 * m.layers * recipe.data.seq_len * m.n_heads * m.head_dim  # causal
-    if layer_kinds.is_mixed(recipe):   # sliding layers see a window, not the sequence
-        attention_fwd *= layer_kinds.attention_keys_per_query(recipe)
-    model = tokens * (6 * params + 3 * attention_fwd)
+    attention_fwd = attention_forward_flops_per_token(m, recipe.data.seq_len)
+    model = tokens * training_flops_per_token(m, recipe.data.seq_len)
     extra = 0
     layer_params = params - m.vocab * m.d_model * (1 if m.tie_embeddings else 2) - m.d_model
     if recipe.remat.policy in ("full",):

@@ -6,7 +6,7 @@ from typing import Callable
 
 import jax
 
-from lctrain.parallel.planner.shapes import BYTES
+from lctrain.parallel.model_arithmetic import BYTES
 from lctrain.recipes.schema import REMAT_TENSORS, Recipe, RematConfig
 
 # Everything the layer computes with a weight matrix; what `minimal` keeps.

@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from lctrain.parallel import attention_kernels, describe_devices
-from lctrain.parallel.planner.shapes import count_parameters
+from lctrain.parallel.layer_strategies import strategy_name
+from lctrain.parallel.model_arithmetic import count_parameters, training_flops_per_token
 from lctrain.recipes import Recipe
 from lctrain.trainer.data.mixture import MixtureSource, long_token_share, tokens_per_source
 from lctrain.trainer.data.provenance import write_record
@@ -29,7 +30,7 @@ from lctrain.trainer.state.build import compile_run, device_batch, print_lines
 from lctrain.trainer.state.checkpoint import Checkpointer
 from lctrain.trainer.state.step import TrainState
 from lctrain.trainer.train.init_from import InitFrom, stage_start
-from lctrain.trainer.train.metrics import MetricsWriter, peak_flops, training_flops_per_token
+from lctrain.trainer.train.metrics import MetricsWriter, peak_flops
 from lctrain.trainer.train.pipeline import LaggedFiniteCheck, Prefetcher
 from lctrain.trainer.train.preflight import RunPlan, check_run
 from lctrain.trainer.train.run_dir_lock import run_dir_lock

@@ -9,23 +9,12 @@ from pathlib import Path
 from rich.console import Console
 
 from lctrain.parallel.chips import chip_for_device_kind
-from lctrain.parallel.planner.layer_kinds import keys_per_query
-from lctrain.parallel.planner.shapes import count_parameters
-from lctrain.recipes.schema import ModelConfig
 
 
 def peak_flops(device_kind: str) -> float | None:
     """Dense bf16 peak of the chip, or None for devices we have no figure for (CPU)."""
     chip = chip_for_device_kind(device_kind)
     return chip.peak_bf16_flops if chip else None
-
-
-def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6 x parameters for the matmuls, plus attention: a causal global layer does half of
-    the s x s work, a sliding one its window's, a linear one none (its delta rule, O(d_k
-    d_v) per token and head, is not counted)."""
-    attention = 6 * cfg.layers * seq_len * cfg.n_heads * cfg.head_dim
-    return 6 * count_parameters(cfg) + attention * keys_per_query(cfg, seq_len)
 
 
 class MetricsWriter:
