@@ -16,9 +16,10 @@ backward is independent of the first forward.
 XLA:CPU's concurrency-optimized scheduler is what lets those two forwards interleave on
 jax 0.12. Turned off there (cli/common.fake_cpu_device_flags, used by the tests and
 `runtime.cpu_devices`), jax 0.12 runs the repro below bit-identical every time. On jax
-0.10 turning it off breaks other rings, so the flag is not set and the repro deadlocks
-about one run in eight (two devices in an all-gather, one in a permute): an expected
-failure there.
+0.10 turning it off breaks other rings, so the flag is not set and the repro fails: its
+first step's loss differs from the same step's repeats (or is NaN), or the process dies
+(6 runs in 6 on two loaded cores; it has also deadlocked, two devices in an all-gather and
+one in a permute). A strict expected failure there: the day it passes, this says so.
 """
 
 import json
@@ -70,9 +71,9 @@ def test_one_layer_all_gather_steps_are_bit_identical():
 JAX_0_10 = not jaxlib_at_least(0, 12)
 
 
-@pytest.mark.xfail(JAX_0_10, reason="XLA:CPU of jax 0.10 still meets the permutes of the two "
-                                    "ring forwards across devices about one run in eight "
-                                    "(module docstring): a deadlock", strict=False)
+@pytest.mark.xfail(JAX_0_10, strict=True,
+                   reason="XLA:CPU of jax 0.10 meets the permutes of the two ring forwards "
+                          "across devices (module docstring)")
 def test_one_layer_ring_steps_under_full_remat_are_bit_identical():
     losses = losses_of_repeated_steps("ring")
     assert isinstance(losses, list) and len(set(losses)) == 1, losses

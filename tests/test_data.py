@@ -9,7 +9,7 @@ import pytest
 from lctrain.recipes.schema import DataConfig
 from lctrain.trainer.data.batches import BYTE_EOS, Batch, decode_tokens, encode_text
 from lctrain.trainer.data.sources import make_source
-from lctrain.trainer.outputs.failures import DataError
+from lctrain.trainer.outputs.failures import DataError, explain
 
 
 def config(source, *, seq_len, batch_size=1, eos_id=None, token_dtype="uint16") -> DataConfig:
@@ -286,8 +286,12 @@ def raises_naming(path, cfg, vocab=10):
     return str(error.value)
 
 
-def test_data_error_is_a_value_error():
-    assert issubclass(DataError, ValueError)
+def test_bad_data_is_told_in_one_line_as_bad_input(tmp_path):
+    """The CLI prints a data error's message alone, with exit 2: input refused before
+    anything compiled (trainer/outputs/failures.explain)."""
+    with pytest.raises(DataError) as error:
+        make_source(config(tmp_path / "nope.bin", seq_len=4), vocab=10, seed=0)
+    assert explain(error.value) == (str(error.value), 2) and "nope.bin" in str(error.value)
 
 
 def test_missing_file(tmp_path):
