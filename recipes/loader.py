@@ -246,6 +246,11 @@ def _validate_eval_split(recipe: Recipe) -> None:
     require(e.depths >= 1, "eval.depths", e.depths, "must be >= 1")
     require(0 <= e.holdout <= 0.5, "eval.holdout", e.holdout,
              "must be in [0, 0.5]: a share of data.source's windows, e.g. 0.01")
+    require(0 <= e.threshold <= 100, "eval.threshold", e.threshold,
+             "must be a score in percent, in [0, 100] (RULER's paper: 85.6)")
+    require(e.samples is None or Path(e.samples).is_file(), "eval.samples", e.samples,
+            f"no such file (looked for {Path(e.samples or '').absolute()}); give a .jsonl "
+            f"of RULER's or lm-eval's samples")
     if e.every and e.source is None and (recipe.data.sources or recipe.data.source != "synthetic"):
         require(e.holdout > 0, "eval.every", e.every,
                  f"evaluating during training needs data it does not train on: set "

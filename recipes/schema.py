@@ -21,6 +21,12 @@ REMAT_TENSORS = (
     "context", "out_proj", "mlpwi", "mlpwo",
 )
 
+# eval.task's RULER tasks (trainer/evaluation/ruler_tasks.py builds them; it asserts that
+# they agree) and the group that runs them all.
+RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
+               "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery",
+               "vt", "cwe", "fwe")
+
 # The names a recipe may give parallel.strategy: the classes parallel/__init__.py registers
 # under these names (it asserts that they agree: that registry needs jax, which this module
 # must not import), and auto.
@@ -241,12 +247,21 @@ class EvalConfig:
     seq_len: int | None = option(
         None, "Tokens per evaluated sequence; null takes data.seq_len. It may exceed the "
               "training length (the mesh must split it as it splits data.seq_len).")
-    task: Literal["loss", "needle", "passkey"] = option(
+    task: Literal[("loss", "needle", "passkey", "ruler") + RULER_TASKS] = option(
         "loss", "What `lctrain eval` measures besides loss by position: needle (a key-value "
                 "sentence) or passkey (digits) retrieval over a grid of haystack lengths and "
-                "needle depths, scored teacher-forced.")
-    lengths: int = option(6, "needle/passkey: haystack lengths, log-spaced up to eval.seq_len.")
+                "needle depths; ruler (RULER's tasks: the niah_*, vt, cwe and fwe) or one "
+                "RULER task by name, by length. All scored teacher-forced.")
+    lengths: int = option(6, "needle/passkey: haystack lengths, log-spaced up to eval.seq_len; "
+                             "RULER: lengths halving from eval.seq_len.")
     depths: int = option(11, "needle/passkey: needle depths, evenly from 0 (start) to 1 (end).")
+    samples: str | None = option(
+        None, "A .jsonl of samples made by RULER's or lm-eval's generators (fields input, "
+              "outputs, length; lm-eval's max_length and gen_prefix when there) to score "
+              "with RULER's scoring instead of lctrain's own samples.")
+    threshold: float = option(
+        85.6, "RULER: the score (%) whose longest length kept at every shorter length too "
+              "is the effective context length (RULER's paper: 85.6, Llama-2-7B at 4K).")
     every: int = option(
         0, "Evaluate every N steps during training, on held-out data (eval.source, or the "
            "eval.holdout share of data.source; synthetic data draws unseen sequences); 0 never.")

@@ -21,6 +21,8 @@ from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
 from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, check_retrieval, grid
+from lctrain.trainer.evaluation.ruler import (check_ruler, is_ruler, packed_batches, ruler_cells,
+                                              ruler_summary, sample_scores)
 from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.model.loss import token_scores
 from lctrain.trainer.outputs.progress import Bar, tracked
@@ -77,7 +79,8 @@ class Evaluator:
         self.bucket_sums = jax.jit(make_bucket_sums(self.recipe, graphdef, strategy,
                                                     self.edges))
         self.order = strategy.sequence_order(data.seq_len)
-        self.retrieval_scores = jax.jit(make_retrieval_scores(self.recipe, graphdef, strategy))
+        self.string_misses = jax.jit(make_string_misses(self.recipe, graphdef, strategy),
+                                     static_argnums=2)
 
     def __call__(self, params, origin: str, console: Console | None = None) -> dict:
         totals = {name: np.zeros(len(self.edges) - 1) for name in ("loss", "correct", "tokens")}
@@ -88,9 +91,38 @@ class Evaluator:
                 totals[name] += values
         result = summary(totals, self.edges, self.recipe, origin)
         result["trained_seq_len"] = self.trained_seq_len
-        if self.recipe.eval.task != "loss":
+        if is_ruler(self.recipe):
+            result["ruler"] = self.ruler(params, origin, console)
+        elif self.recipe.eval.task != "loss":
             result["retrieval"] = self.retrieval(params, origin, console)
         return result
+
+    def found(self, params, batch, strings: int) -> np.ndarray:
+        """Whether each of the batch's expected strings (ids 1..strings in its loss mask)
+        had every token the argmax."""
+        source = OneBatch(self.recipe.data, batch)
+        # Static sizes in powers of two: a handful of compiles for any number of strings.
+        slots = 1 << strings.bit_length()
+        misses = jax.device_get(self.string_misses(
+            params, device_batch(source, 0, self.order, self.mesh), slots))
+        return misses[1:strings + 1] == 0
+    def ruler(self, params, origin: str, console: Console | None = None) -> dict:
+        """RULER's score (%) per task and length, their averages and the effective length."""
+        data = self.recipe.data
+        filler = self.source if data.sources or data.source != "synthetic" else None
+        scores: dict[str, dict[int, tuple[float, int]]] = {}
+        count, cells = ruler_cells(self.recipe, filler, self.recipe.train.seed)
+        with Bar(console, f"ruler ({origin})", count) as bar:
+            for task, length, samples in cells:
+                per_sample = np.zeros(len(samples))
+                for batch, owners in packed_batches(samples, data.seq_len, data.batch_size,
+                                                    length):
+                    found = self.found(params, batch, len(owners))
+                    per_sample += sample_scores(found, owners, len(samples))
+                scores.setdefault(task, {})[length] = (100 * float(per_sample.mean()),
+                                                       len(samples))
+                bar.advance()
+        return ruler_summary(scores, self.recipe)
 
     def retrieval(self, params, origin: str, console: Console | None = None) -> dict:
         """Share of samples retrieved per (haystack length, needle depth)."""
@@ -101,34 +133,36 @@ class Evaluator:
         cells = cell_batches(self.recipe, filler, self.recipe.train.seed)
         with Bar(console, f"{self.recipe.eval.task} ({origin})", accuracy.size) as bar:
             for cell, (_, _, batch) in enumerate(cells):
-                source = OneBatch(self.recipe.data, batch)
-                hits, needed = jax.device_get(self.retrieval_scores(
-                    params, device_batch(source, 0, self.order, self.mesh)))
-                accuracy.flat[cell] = float(np.mean(hits == needed))
+                accuracy.flat[cell] = float(np.mean(self.found(params, batch,
+                                                               batch.inputs.shape[0])))
                 bar.advance()
         return {"task": self.recipe.eval.task, "lengths": lengths, "depths": depths,
                 "accuracy": accuracy.tolist(), "mean": float(accuracy.mean()),
                 "samples_per_cell": self.recipe.data.batch_size}
 
 
-def make_retrieval_scores(recipe: Recipe, graphdef, strategy):
-    """(params, batch) -> per row (answer tokens that were the argmax, answer tokens)."""
+def make_string_misses(recipe: Recipe, graphdef, strategy):
+    """(params, batch, slots) -> per string id (the loss mask's values; 0 is not counted)
+    the number of its tokens that were not the argmax: 0 is a string found."""
     forward = make_forward(recipe, graphdef, strategy)
 
-    def retrieval_scores(params, batch):
+    def string_misses(params, batch, slots: int):
         model, hidden = forward(params, batch)
         _, correct = token_scores(hidden, model.output_weights(), batch["targets"],
                                   recipe.loss, strategy.sequence_shards)
-        mask = batch["loss_mask"].astype(jnp.float32)
-        return jnp.sum(correct * mask, axis=1), jnp.sum(mask, axis=1)
+        ids = batch["loss_mask"].astype(jnp.int32).ravel()
+        return jax.ops.segment_sum((1 - correct).ravel(), ids, num_segments=slots)
 
-    return retrieval_scores
+    return string_misses
 
 
 def evaluate(recipe: Recipe, run_dir: Path | None, step: int | None = None,
              console: Console | None = None) -> dict:
     """`lctrain eval`: the run dir's checkpoint (or model.init's weights) evaluated."""
-    check_retrieval(recipe)
+    if is_ruler(recipe.for_evaluation()):
+        check_ruler(recipe.for_evaluation())
+    else:
+        check_retrieval(recipe)
     mesh = mesh_for(recipe, console=console, evaluating=True)
     trainable = build_trainable(recipe, mesh)
     params, origin = load_weights(recipe, trainable, run_dir, step, console)

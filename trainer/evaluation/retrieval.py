@@ -127,14 +127,16 @@ def sample_row(pieces: Pieces, sample: Sample, length: int, depth: float, seq_le
 
 def retrieval_batch(windows: list[np.ndarray], answers: list[tuple[int, int]],
                     length: int) -> Batch:
-    """Rows of one (length, depth) cell; only the answer tokens are counted."""
+    """Rows of one (length, depth) cell; only the answer tokens are counted, each row's
+    with the row's number from 1 (an answer is one string, as evaluate.make_string_misses
+    counts them)."""
     windows = np.stack(windows)
     rows, width = windows.shape[0], windows.shape[1] - 1
     index = np.arange(width)
     segment = np.where(index < length, 1, 2)
     mask = np.zeros((rows, width), np.float32)
     for row, (start, size) in enumerate(answers):
-        mask[row, start - 1:start - 1 + size] = 1  # the inputs whose next token is the answer
+        mask[row, start - 1:start - 1 + size] = row + 1  # the inputs predicting the answer
     return Batch(windows[:, :-1].astype(np.int32), windows[:, 1:].astype(np.int32),
                  np.broadcast_to(np.where(index < length, index, index - length),
                                  (rows, width)).astype(np.int32),

@@ -1,0 +1,261 @@
+"""RULER on the training mesh (eval.task ruler or one of its tasks; eval.samples): samples
+built to each length (ruler_tasks.py) or read from a RULER / lm-eval jsonl file, packed
+into the evaluated sequence, scored teacher-forced, summed up by length.
+
+Scoring is RULER's string_match_all, teacher-forced: the sample's prompt is followed by
+its answer laid out as the model would write it (ruler_tasks.answer_layout, RULER's
+output order), and an expected string counts as found when every one of its tokens is
+the argmax given the gold tokens before it. A sample scores the share of its strings
+found; a task at a length, the mean over its samples, in percent. One forward pass per
+batch: samples of one length share a row, each its own segment (docs/evaluation.md says
+where this can differ from greedy generation).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lctrain.recipes.schema import RULER_TASKS, Recipe, RecipeError
+from lctrain.trainer.data.batches import Batch, DataSource
+from lctrain.trainer.evaluation.retrieval import FILLER, Pieces
+from lctrain.trainer.evaluation.ruler_tasks import QA_TASKS, TASKS, answer_layout
+
+GROUP = "ruler"
+assert tuple(TASKS) == RULER_TASKS, "recipes/schema.py's RULER_TASKS must name ruler_tasks.TASKS"
+SAMPLE_FIELDS = ("input", "outputs", "length")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A sample as scored: its tokens (prompt, then answer) and where each expected string
+    lies in them ([start, stop))."""
+    tokens: np.ndarray
+    strings: list[tuple[int, int]]
+
+
+def is_ruler(recipe: Recipe) -> bool:
+    return bool(recipe.eval.samples) or recipe.eval.task == GROUP or recipe.eval.task in TASKS
+
+
+def task_names(recipe: Recipe) -> list[str]:
+    return list(TASKS) if recipe.eval.task == GROUP else [recipe.eval.task]
+
+
+def skipped_tasks(recipe: Recipe) -> dict[str, str]:
+    """Tasks of the group that are not scored, and why."""
+    if recipe.eval.task != GROUP or recipe.eval.samples:
+        return {}
+    return {task: "needs a local SQuAD or HotpotQA file, which lctrain does not read yet"
+            for task in QA_TASKS}
+
+
+def ruler_lengths(recipe: Recipe) -> list[int]:
+    """eval.lengths lengths, halving from the evaluated sequence (RULER's powers of two
+    when eval.seq_len is one: 4K ... 128K for eval.lengths 6 at 131,072)."""
+    seq_len = recipe.data.seq_len
+    return sorted({seq_len >> k for k in range(recipe.eval.lengths) if seq_len >> k})
+
+
+class SampleText:
+    """The model's tokenizer (or bytes) and the evaluation source's text, for one sample."""
+
+    def __init__(self, pieces: Pieces, source: DataSource | None, row: int):
+        self.pieces, self.source, self.row = pieces, source, row
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        tokenizer = self.pieces.tokenizer
+        encoded = ([e.ids for e in tokenizer.tokenizer.encode_batch(texts,
+                                                                    add_special_tokens=False)]
+                   if tokenizer else [self.pieces.encode(text) for text in texts])
+        largest = max((max(ids) for ids in encoded if ids), default=0)
+        if largest >= self.pieces.vocab:
+            raise RecipeError(f"model.vocab: {self.pieces.vocab} ids cannot hold RULER's text "
+                              f"(token id {largest}); give the model's tokenizer as "
+                              f"data.tokenizer")
+        return encoded
+
+    def essay(self, count: int) -> np.ndarray:
+        """The evaluation source's own tokens; RULER's noise paragraph for synthetic data."""
+        if self.source is not None:
+            return self.pieces.filler(None, count, self.source, self.row)
+        return np.resize(np.asarray(self.encode([FILLER])[0]), count)
+
+
+def assemble(prompt: list[int], answer: list[tuple[list[int], bool]], length: int,
+             where: str) -> Scored:
+    """Prompt and answer as one sample; an error if longer than the length it is for."""
+    tokens, strings = list(prompt), []
+    for piece, scored in answer:
+        if scored:
+            strings.append((len(tokens), len(tokens) + len(piece)))
+        tokens += piece
+    if len(tokens) > length:
+        raise RecipeError(f"{where}: the sample takes {len(tokens):,} tokens, more than the "
+                          f"{length:,} it is meant for; raise eval.seq_len or lower "
+                          f"eval.lengths")
+    return Scored(np.asarray(tokens, np.int64), strings)
+
+
+def build_sample(task: str, text: SampleText, rng: np.random.Generator,
+                 length: int) -> Scored:
+    """One sample of `task` filling `length` tokens less the task's answer budget."""
+    draft = TASKS[task](rng, length)
+    head, tail = text.encode([draft.head, draft.tail])
+    head = [*text.pieces.bos, *head]
+    budget = length - draft.tokens_to_generate - len(head) - len(tail)
+    where = f"eval.task {task} at {length:,} tokens"
+    if budget < 0:
+        raise RecipeError(f"{where}: its template and answer budget take "
+                          f"{length - budget:,} tokens; raise eval.seq_len or lower "
+                          f"eval.lengths")
+    layout = answer_layout(task, draft.outputs)
+    answer = zip(text.encode([piece for piece, _ in layout]), [scored for _, scored in layout])
+    return assemble([*head, *draft.context(text, budget), *tail], list(answer), length, where)
+
+
+def generated_cells(recipe: Recipe, source: DataSource | None, seed: int):
+    """(task, length, samples) for every task and length: as many samples as fill one
+    batch (data.batch_size rows of eval.seq_len // length samples each)."""
+    pieces = Pieces(recipe)
+    seq_len, rows = recipe.data.seq_len, recipe.data.batch_size
+    for task in task_names(recipe):
+        for length in ruler_lengths(recipe):
+            count = rows * (seq_len // length)
+            task_index = list(TASKS).index(task)
+            yield task, length, [
+                build_sample(task, SampleText(pieces, source, index % rows),
+                             np.random.default_rng([seed, task_index, length, index]), length)
+                for index in range(count)]
+
+
+def file_cells(recipe: Recipe):
+    """(task, length, samples) from eval.samples, grouped by task and by the length each
+    sample is meant for (lm-eval's max_length, else RULER's length)."""
+    path = Path(recipe.eval.samples)
+    text = SampleText(Pieces(recipe), None, 0)
+    cells: dict[tuple[str, int], list[Scored]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = read_record(line, f"eval.samples: {path} line {number}")
+        task = record.get("task") or path.stem
+        length = int(record.get("max_length") or record["length"])
+        where = f"eval.samples: {path} line {number} ({task})"
+        if length > recipe.data.seq_len:
+            raise RecipeError(f"{where}: meant for {length:,} tokens, longer than eval.seq_len "
+                              f"{recipe.data.seq_len:,}; set eval.seq_len >= {length}")
+        prompt = record["input"] + (f" {record['gen_prefix'].strip()}"
+                                    if record.get("gen_prefix") else "")
+        layout = answer_layout(task, list(record["outputs"]))
+        encoded = text.encode([prompt, *(piece for piece, _ in layout)])
+        answer = list(zip(encoded[1:], [scored for _, scored in layout]))
+        cells.setdefault((task, length), []).append(
+            assemble([*text.pieces.bos, *encoded[0]], answer, length, where))
+    for (task, length), samples in sorted(cells.items(), key=lambda cell: cell[0][::-1]):
+        yield task, length, samples
+
+
+def read_record(line: str, where: str) -> dict:
+    """One jsonl line with RULER's fields; QA samples are refused (not scored yet)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise RecipeError(f"{where}: not JSON ({error.msg}); give RULER's or lm-eval's "
+                          f"samples, one JSON object a line") from None
+    missing = [field for field in SAMPLE_FIELDS if field not in record]
+    if missing:
+        raise RecipeError(f"{where}: no {', '.join(missing)}; a sample needs the fields "
+                          f"{', '.join(SAMPLE_FIELDS)} (RULER's and lm-eval's)")
+    if str(record.get("task", "")).startswith("qa"):
+        raise RecipeError(f"{where}: QA samples (string_match_part) are not scored yet; "
+                          f"leave them out of eval.samples")
+    return record
+
+
+def ruler_cells(recipe: Recipe, source: DataSource | None, seed: int):
+    """(how many cells, the cells): generated ones one at a time, as a cell at 1M tokens
+    holds a batch's worth of samples."""
+    if recipe.eval.samples:
+        cells = list(file_cells(recipe))
+        return len(cells), iter(cells)
+    count = len(task_names(recipe)) * len(ruler_lengths(recipe))
+    return count, generated_cells(recipe, source, seed)
+
+
+def check_ruler(recipe: Recipe) -> None:
+    """RecipeError unless every sample fits the length it is meant for: each task's sample
+    at the shortest length, or every sample of eval.samples (before anything compiles)."""
+    if recipe.eval.samples:
+        for _ in file_cells(recipe):
+            pass
+        return
+    pieces = Pieces(recipe)
+    for task in task_names(recipe):
+        build_sample(task, SampleText(pieces, None, 0), np.random.default_rng(0),
+                     ruler_lengths(recipe)[0])
+
+
+def packed_batches(samples: list[Scored], seq_len: int, rows: int, slot: int):
+    """(Batch, owners): the samples `seq_len // slot` to a row, each in a slot of `slot`
+    tokens that is its own segment (the tokens after a sample, in its slot, come later
+    and causal attention never shows them to it). The loss mask holds each expected
+    string's id (1, 2, ...) on the inputs that predict its tokens; owners[id - 1] is the
+    string's sample, by its index in `samples`."""
+    per_row = seq_len // slot
+    for first in range(0, len(samples), rows * per_row):
+        windows = np.zeros((rows, seq_len + 1), np.int64)
+        slots = np.minimum(np.arange(seq_len) // slot, per_row)
+        positions = np.broadcast_to(np.arange(seq_len) - slots * slot, (rows, seq_len))
+        ids, owners = np.zeros((rows, seq_len), np.float32), []
+        for index, sample in enumerate(samples[first:first + rows * per_row]):
+            row, place = divmod(index, per_row)
+            start = place * slot
+            windows[row, start:start + len(sample.tokens)] = sample.tokens
+            for begin, end in sample.strings:
+                owners.append(first + index)
+                ids[row, start + begin - 1:start + end - 1] = len(owners)
+        yield Batch(windows[:, :-1].astype(np.int32), windows[:, 1:].astype(np.int32),
+                    positions.astype(np.int32),
+                    np.broadcast_to(slots + 1, (rows, seq_len)).astype(np.int32), ids), owners
+
+
+def sample_scores(found: np.ndarray, owners: list[int], count: int) -> np.ndarray:
+    """Per sample, the share of its expected strings found (string_match_all)."""
+    strings = np.bincount(owners, minlength=count)
+    return np.bincount(owners, found.astype(float), minlength=count) / np.maximum(strings, 1)
+
+
+def effective_length(lengths: list[int], averages: list[float | None],
+                     threshold: float) -> int | None:
+    """The longest length whose average, and every shorter length's, is above the
+    threshold (RULER's effective context length); None when the shortest is not."""
+    effective = None
+    for length, average in sorted(zip(lengths, averages)):
+        if average is None or average <= threshold:
+            break
+        effective = length
+    return effective
+
+
+def ruler_summary(scores: dict[str, dict[int, tuple[float, int]]], recipe: Recipe) -> dict:
+    """ruler.json: score (%) and samples per task and length, the average per length over
+    the tasks scored there, and the effective length at eval.threshold."""
+    lengths = sorted({length for by_length in scores.values() for length in by_length})
+    table = {task: [by_length.get(length, (None, 0))[0] for length in lengths]
+             for task, by_length in scores.items()}
+    averages = []
+    for column in zip(*table.values()):
+        present = [score for score in column if score is not None]
+        averages.append(float(np.mean(present)) if present else None)
+    threshold = recipe.eval.threshold
+    return {"tasks": list(scores), "lengths": lengths, "scores": table,
+            "samples": {task: [by_length.get(length, (None, 0))[1] for length in lengths]
+                        for task, by_length in scores.items()},
+            "average": averages, "threshold": threshold,
+            "effective_length": effective_length(lengths, averages, threshold),
+            "skipped": skipped_tasks(recipe),
+            "source": recipe.eval.samples or "lctrain's generator"}
