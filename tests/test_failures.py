@@ -46,8 +46,11 @@ def test_debug_shows_the_traceback_of_an_expected_failure(tmp_path, monkeypatch)
     monkeypatch.setattr(build, "make_train_step", allocating_too_much)
     result = CliRunner().invoke(app, ["--debug", "run", "--steps", "2", "--run-dir",
                                       str(tmp_path), *SHORT])
-    assert type(result.exception).__name__ == "JaxRuntimeError"
-    assert "RESOURCE_EXHAUSTED" in str(result.exception) and "error:" not in result.output
+    # the first step's one line, raised from XLA's error, whose traceback --debug shows
+    cause = result.exception.__cause__
+    assert type(result.exception).__name__ == "FirstStepOutOfMemory"
+    assert type(cause).__name__ == "JaxRuntimeError"
+    assert "RESOURCE_EXHAUSTED" in str(cause) and "error:" not in result.output
 
 
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
@@ -214,3 +217,48 @@ def test_a_pinned_kernel_whose_tiles_overflow_vmem_is_named_in_one_line(monkeypa
     with pytest.raises(build.RunFailure, match="scoped VMEM.*xla with blocks of 64 x 64"):
         build.compile_run(recipe, jax.devices()[:1])
     assert len(calls) == 1
+
+
+def test_auto_goes_on_to_its_next_candidate_when_the_first_step_finds_the_device_full(
+        tmp_path, monkeypatch):
+    """The compiler accepted auto's first pick, but its program does not load (a v5e's
+    E0101 at 131,072 tokens): the run says so and trains with the next candidate."""
+    real, tried = build.compile_run, []
+
+    def compile_run(recipe, *args, **kwargs):
+        run = real(recipe, *args, **kwargs)
+        tried.append(recipe.parallel.strategy)
+        if len(tried) > 1:
+            return run
+
+        def does_not_load(state, batch):
+            raise XLA_ERROR("RESOURCE_EXHAUSTED: E0101: RuntimeProgramAllocationFailure: "
+                            "Attempting to allocate 30.01M. That was not possible.")
+        return run._replace(train_step=does_not_load)
+
+    monkeypatch.setattr(loop, "compile_run", compile_run)
+    console = Console(file=io.StringIO(), width=200)
+    recipe = load_recipe("tiny", ["data.seq_len=64", "mesh.context=4", "mesh.data=2",
+                                  "parallel.strategy=auto", "train.steps=2",
+                                  "checkpoint.every=0"])
+    records = loop.train(recipe, tmp_path, console)
+    assert len(tried) == 2 and tried[0] != tried[1]
+    assert [r["step"] for r in records] == [2] and recipe.parallel.strategy == tried[1]
+    assert (f"{tried[0]}: out of device memory: a device could not allocate 31.5 MB"
+            in console.file.getvalue())
+
+
+def test_a_pinned_strategy_whose_first_step_finds_the_device_full_stops_in_one_line(
+        tmp_path, monkeypatch):
+    real = build.compile_run
+
+    def compile_run(recipe, *args, **kwargs):
+        def does_not_load(state, batch):
+            raise XLA_ERROR("RESOURCE_EXHAUSTED: Attempting to allocate 30.01M.")
+        return real(recipe, *args, **kwargs)._replace(train_step=does_not_load)
+
+    monkeypatch.setattr(loop, "compile_run", compile_run)
+    with pytest.raises(loop.FirstStepOutOfMemory, match="could not allocate 31.5 MB"):
+        loop.train(load_recipe("tiny", ["data.seq_len=64", "train.steps=2"]), tmp_path,
+                   Console(file=io.StringIO()))
+    assert not list((tmp_path / "checkpoints").glob("[0-9]*"))

@@ -49,7 +49,30 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
     console = Console(quiet=True) if not is_main else console or Console()
     checked = check_run(recipe, run_dir, devices, init_from, console)
     with run_dir_lock(run_dir):
-        return _train_checked(recipe, run_dir, console, devices, memory_limit, checked)
+        while True:
+            try:
+                return _train_checked(recipe, run_dir, console, devices, memory_limit, checked)
+            except FirstStepOutOfMemory as failure:
+                checked = _next_candidate(recipe, checked, failure, console)
+
+
+class FirstStepOutOfMemory(DoesNotFit):
+    """The first step found the devices full: its program did not load beside the state and
+    the batches although the compiler accepted it. Nothing was trained or saved."""
+
+
+def _next_candidate(recipe: Recipe, checked: RunPlan, failure: FirstStepOutOfMemory,
+                    console: Console) -> RunPlan:
+    """The checks with the strategies after the one that ran out of memory (auto's next,
+    as when its compiled figure did not fit); the failure itself when none is left."""
+    ran = (recipe.parallel.strategy, recipe.parallel.ulysses)
+    candidates = checked.devices.candidates
+    rest = candidates[candidates.index(ran) + 1:] if ran in candidates else []
+    if not rest:
+        raise failure
+    console.print(f"{strategy_name(*ran)}: {failure}; trying {strategy_name(*rest[0])}",
+                  markup=False, soft_wrap=True)
+    return checked._replace(devices=checked.devices._replace(candidates=rest))
 
 
 def _train_checked(recipe: Recipe, run_dir: Path, console: Console, devices,
@@ -256,7 +279,8 @@ def _step(train_step, state: TrainState, batch, recipe: Recipe, wait: bool):
             jax.block_until_ready(metrics)
     except Exception as err:
         if is_out_of_memory(err):
-            raise DoesNotFit(out_of_memory_message(err, recipe)) from err
+            failure = FirstStepOutOfMemory if wait else DoesNotFit
+            raise failure(out_of_memory_message(err, recipe)) from err
         raise
     return state, metrics
 
