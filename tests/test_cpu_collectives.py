@@ -19,7 +19,8 @@ jax 0.12. Turned off there (cli/common.fake_cpu_device_flags, used by the tests 
 0.10 turning it off breaks other rings, so the flag is not set and the repro fails: its
 first step's loss differs from the same step's repeats (or is NaN), or the process dies
 (6 runs in 6 on two loaded cores; it has also deadlocked, two devices in an all-gather and
-one in a permute). A strict expected failure there: the day it passes, this says so.
+one in a permute). A race is no test: on jax 0.10 the repro is skipped, on jax 0.12 it
+must hold.
 """
 
 import json
@@ -71,9 +72,9 @@ def test_one_layer_all_gather_steps_are_bit_identical():
 JAX_0_10 = not jaxlib_at_least(0, 12)
 
 
-@pytest.mark.xfail(JAX_0_10, strict=True,
-                   reason="XLA:CPU of jax 0.10 meets the permutes of the two ring forwards "
-                          "across devices (module docstring)")
+@pytest.mark.skipif(JAX_0_10, reason="XLA:CPU of jax 0.10 meets the permutes of the two "
+                                      "ring forwards across devices, by a race (module "
+                                      "docstring): neither a pass nor a failure is certain")
 def test_one_layer_ring_steps_under_full_remat_are_bit_identical():
     losses = losses_of_repeated_steps("ring")
     assert isinstance(losses, list) and len(set(losses)) == 1, losses
