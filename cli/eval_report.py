@@ -13,6 +13,7 @@ from rich.table import Table
 
 from lctrain.trainer.outputs.files import written_into
 
+from .ruler_report import render_ruler, ruler_figure
 from .table_fit import CONTINUED, stacked
 
 
@@ -34,6 +35,8 @@ def render_table(result: dict, console: Console) -> None:
     console.print(table)
     if "retrieval" in result:
         _render_retrieval(result["retrieval"], console)
+    if "ruler" in result:
+        render_ruler(result["ruler"], console)
 
 
 def _render_retrieval(retrieval: dict, console: Console) -> None:
@@ -71,20 +74,25 @@ def _samples(count: int) -> str:
 def eval_owns(name: str) -> bool:
     """Whether a file of this name is one `lctrain eval` writes (--overwrite replaces an
     earlier eval's, and nothing else in the folder)."""
-    return name in ("eval.json", "loss_by_position.png") or name.endswith("_heatmap.png")
+    return (name in ("eval.json", "loss_by_position.png", "ruler.json", "ruler.png")
+            or name.endswith("_heatmap.png"))
 
 
 def write_outputs(result: dict, out_dir: Path) -> list[Path]:
-    """eval.json and loss_by_position.png (and the retrieval heatmap) in out_dir, in place
-    of an earlier eval's; returns their paths."""
+    """eval.json and loss_by_position.png (and the retrieval heatmap, or RULER's ruler.json
+    and ruler.png) in out_dir, in place of an earlier eval's; returns their paths."""
     names = ["eval.json", "loss_by_position.png"]
-    if "retrieval" in result:
-        names.append(f"{result['retrieval']['task']}_heatmap.png")
     with written_into(out_dir, eval_owns) as staging:
         (staging / names[0]).write_text(json.dumps(result, indent=2) + "\n")
         _save(by_position_figure(result), staging / names[1])
         if "retrieval" in result:
-            _save(heatmap_figure(result["retrieval"], result["weights"]), staging / names[2])
+            names.append(f"{result['retrieval']['task']}_heatmap.png")
+            _save(heatmap_figure(result["retrieval"], result["weights"]), staging / names[-1])
+        if "ruler" in result:
+            names += ["ruler.json", "ruler.png"]
+            (staging / names[-2]).write_text(json.dumps(result["ruler"], indent=2) + "\n")
+            _save(ruler_figure(result["ruler"], result["weights"], _pyplot()),
+                  staging / names[-1])
     return [out_dir / name for name in names]
 
 

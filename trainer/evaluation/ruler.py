@@ -86,7 +86,7 @@ class SampleText:
 
 
 def assemble(prompt: list[int], answer: list[tuple[list[int], bool]], length: int,
-             where: str) -> Scored:
+             where: str, fix: str) -> Scored:
     """Prompt and answer as one sample; an error if longer than the length it is for."""
     tokens, strings = list(prompt), []
     for piece, scored in answer:
@@ -95,8 +95,7 @@ def assemble(prompt: list[int], answer: list[tuple[list[int], bool]], length: in
         tokens += piece
     if len(tokens) > length:
         raise RecipeError(f"{where}: the sample takes {len(tokens):,} tokens, more than the "
-                          f"{length:,} it is meant for; raise eval.seq_len or lower "
-                          f"eval.lengths")
+                          f"{length:,} it is meant for; {fix}")
     return Scored(np.asarray(tokens, np.int64), strings)
 
 
@@ -114,7 +113,8 @@ def build_sample(task: str, text: SampleText, rng: np.random.Generator,
                           f"eval.lengths")
     layout = answer_layout(task, draft.outputs)
     answer = zip(text.encode([piece for piece, _ in layout]), [scored for _, scored in layout])
-    return assemble([*head, *draft.context(text, budget), *tail], list(answer), length, where)
+    return assemble([*head, *draft.context(text, budget), *tail], list(answer), length, where,
+                    "raise eval.seq_len or lower eval.lengths")
 
 
 def generated_cells(recipe: Recipe, source: DataSource | None, seed: int):
@@ -154,7 +154,8 @@ def file_cells(recipe: Recipe):
         encoded = text.encode([prompt, *(piece for piece, _ in layout)])
         answer = list(zip(encoded[1:], [scored for _, scored in layout]))
         cells.setdefault((task, length), []).append(
-            assemble([*text.pieces.bos, *encoded[0]], answer, length, where))
+            assemble([*text.pieces.bos, *encoded[0]], answer, length, where,
+                     "make the samples with the model's tokenizer (data.tokenizer)"))
     for (task, length), samples in sorted(cells.items(), key=lambda cell: cell[0][::-1]):
         yield task, length, samples
 
