@@ -29,7 +29,8 @@ def render_ruler(ruler: dict, console: Console) -> None:
              f"tokens), teacher-forced string_match_all")
 
     def table_of(columns: list[int], first: bool) -> Table:
-        table = Table(title=title if first else CONTINUED, title_justify="left")
+        # The title goes above (a one-length table is too narrow for it).
+        table = Table(title=None if first else CONTINUED, title_justify="left")
         table.add_column("task")
         for column in columns:
             table.add_column(f"{lengths[column]:,}", justify="right")
@@ -38,6 +39,7 @@ def render_ruler(ruler: dict, console: Console) -> None:
         table.add_row("average", *(_cell(ruler["average"][c]) for c in columns), style="bold")
         return table
 
+    console.print(title, markup=False)
     for table in stacked(console, range(len(lengths)), table_of):
         console.print(table)
     console.print(effective_line(ruler))
