@@ -34,3 +34,26 @@ def without_libtpu(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_libtpu)
+
+
+@pytest.fixture(scope="session")
+def copy_model(tmp_path_factory):
+    """(run dir, logged records) of the default recipe trained whole: the model that copies
+    the first half of each window into the second. Trained once per test run: the first
+    pytest-xdist worker to ask trains it under a file lock in the run's shared temporary
+    folder, and the others read what it left there."""
+    import fcntl
+    import json
+
+    shared = tmp_path_factory.getbasetemp().parent / "copy_model"
+    shared.mkdir(exist_ok=True)
+    records = shared / "records.json"
+    with open(shared.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not records.exists():
+            from lctrain.recipes import load_recipe
+            from lctrain.trainer.train.loop import train
+
+            logged = train(load_recipe("tiny", ["runtime.log_every=50"]), shared / "run")
+            records.write_text(json.dumps(logged))
+    return shared / "run", json.loads(records.read_text())

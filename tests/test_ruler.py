@@ -167,15 +167,6 @@ def by_hand(sample) -> float:
     return 100 * float(np.mean(found))
 
 
-@pytest.fixture(scope="module")
-def copy_model(tmp_path_factory):
-    from lctrain.trainer.train.loop import train
-
-    run_dir = tmp_path_factory.mktemp("copy")
-    train(load_recipe("tiny", ["runtime.log_every=300"]), run_dir)
-    return run_dir
-
-
 def test_the_copy_model_scores_what_a_copier_must_on_every_mesh(copy_model, tmp_path):
     """Three tasks of one sample each, their strings planted 129 tokens back or not: a
     copier finds 1 of 1, 2 of 4 and 0 of 3 strings. The default run's model gets exactly
@@ -193,7 +184,7 @@ def test_the_copy_model_scores_what_a_copier_must_on_every_mesh(copy_model, tmp_
     for mesh in (["parallel.strategy=none", "mesh.context=1"],
                  ["parallel.strategy=ring", "mesh.context=4"]):
         result = evaluate(load_recipe("tiny", [f"eval.samples={path}", "eval.batches=1",
-                                               *mesh]), copy_model)
+                                               *mesh]), copy_model[0])
         ruler = result["ruler"]
         assert ruler["lengths"] == [256]
         assert {task: scores[0] for task, scores in ruler["scores"].items()} == expected, mesh

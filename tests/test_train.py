@@ -60,10 +60,10 @@ def test_meshes_and_accumulation_match_one_device(single_device_run, overrides):
         np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
 
 
-def test_default_recipe_learns_the_copy_task(tmp_path):
+def test_default_recipe_learns_the_copy_task(copy_model):
     """Half of each sequence is a copy: only attention across the sequence can push the loss
     from about log(vocab) (4.8) towards half of it."""
-    records = train(load_recipe("tiny", ["runtime.log_every=50"]), tmp_path)
+    tmp_path, records = copy_model
     first, last = records[0]["loss"], records[-1]["loss"]
     assert last < 0.65 * first, (first, last)
     assert (tmp_path / "checkpoints" / "300").is_dir()
