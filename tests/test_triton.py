@@ -107,5 +107,6 @@ def test_a_run_names_the_kernel_each_layer_kind_got(impl, platform, want):
         f"attention.impl={impl}", "data.seq_len=4096", "mesh.context=4", "mesh.data=1",
         "parallel.strategy={global: ring, sliding: halo}", "model.layers=2",
         "model.layer_pattern=[{kind: sliding, count: 1, window: 512}, {kind: global}]"])
-    devices = [SimpleNamespace(platform=platform, slice_index=0)] * 4
+    devices = [SimpleNamespace(platform=platform, slice_index=0,
+                               device_kind=f"{platform} of no measured generation")] * 4
     assert attention_kernels(recipe, devices) == want
