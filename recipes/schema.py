@@ -210,16 +210,15 @@ class RematConfig:
         False, "Cast each layer's float32 weights to the compute dtype inside the layer loop, "
                "each time forward or backward uses them, not once per step: XLA's TPU compiler "
                "otherwise holds a compute-dtype copy of every layer's weights through the step "
-               "(2 bytes per parameter over the weights' sharding; llama3.1-8b on 4 chips: "
-               "2.7 GB per chip). Costs the casts: 2% of a 1B model's step at 8K tokens on a "
-               "v5e chip, less at longer sequences. TPU only (elsewhere it changes nothing).")
+               "(2 bytes per parameter over the weights' sharding). Costs the casts, a "
+               "share of the step that falls as sequences grow (benchmarks/RESULTS.md). TPU "
+               "only (elsewhere it changes nothing).")
     compiler_remat_percent: int | None = option(
         None, "Percent of the chip's HBM above which XLA's TPU compiler rematerializes "
               "(recomputes) tensors of its own choosing, on top of the policy (its "
               "xla_jf_rematerialization_percent_shared_memory_limit); null keeps libtpu's "
-              "default. Not monotonic: llama3.1-8b at 33.5M tokens on v5p:4x4x4 compiles to "
-              "103.93 GB per chip by default, 96.82 at 85, 98.97 at 80, 105.41 at 90; "
-              "check with `lctrain plan --compile`. Costs the recomputation where it acts. "
+              "default. Not monotonic in the percent (benchmarks/RESULTS.md): check with "
+              "`lctrain plan --compile`. Costs the recomputation where it acts. "
               "TPU only (elsewhere it changes nothing).")
 
 
