@@ -14,8 +14,8 @@ Sections (each prints its rows as it goes; --json writes them after every row):
 - run: `lctrain run` of the default recipe on one chip, 20 steps: its losses must fall
   and its step times be finite.
 - max_seq: for each remat of recipes/one_chip.yaml (--max-seq-recipes), `lctrain run` of
-  two steps (a checkpoint included) at each of --max-seq-lens in its own process, until
-  one fails; the longest that ran is the figure `lctrain plan --max-seq` must come within
+  two steps (a checkpoint included) at each of its lengths (REMATS, or --max-seq-lens) in
+  its own process, until one fails; the longest that ran is the figure `lctrain plan --max-seq` must come within
   10% of, and never above.
 - mfu: benchmarks/step.py's rows, full remat: "1b-h128" (recipes/one_chip.yaml's model)
   and Llama 3.2 1B's shape, each with 4 of its 16 layers (the whole 1B with f32 AdamW
@@ -48,13 +48,16 @@ SECTIONS = ("accuracy", "blocks", "run", "max_seq", "mfu")
 BLOCKS = {"pallas": [(512, 512), (1024, 1024), (1024, 512), (512, 1024), (2048, 512),
                      (512, 2048)],
           "splash": [(512, 512), (1024, 1024)]}
-# recipes/one_chip.yaml under each remat the fit rule must hold for
+# recipes/one_chip.yaml under each remat the fit rule must hold for, and the lengths to
+# try, ascending: around the edge a v5e showed (benchmarks/data/tpu_v5e_2026-12-07.json)
 REMATS = {
-    "full": ["remat.policy=full", "remat.tensors={}", "remat.mlp_chunk_tokens=0"],
-    "offload": [],
-    "offload_groups_of_2_narrow": [
-        "remat.layers_per_checkpoint=2", "model.layers=8", "model.d_model=1024",
-        "model.n_heads=16", "model.n_kv_heads=8", "model.head_dim=64", "model.d_ff=4096"],
+    "full": (["remat.policy=full", "remat.tensors={}", "remat.mlp_chunk_tokens=0"],
+             [65536, 73728]),
+    "offload": ([], [98304, 106496, 114688]),
+    "offload_groups_of_2_narrow": (
+        ["remat.layers_per_checkpoint=2", "model.layers=8", "model.d_model=1024",
+         "model.n_heads=16", "model.n_kv_heads=8", "model.head_dim=64", "model.d_ff=4096"],
+        [196608, 262144, 327680]),
 }
 RUN_TIMEOUT_S = 300
 IN_CHILDREN = ("run", "max_seq")
@@ -120,8 +123,9 @@ def run(args, emit) -> None:
 
 def max_seq(args, emit) -> None:
     for remat in args.max_seq_recipes:
-        for seq_len in args.max_seq_lens:
-            result = lctrain_run([f"data.seq_len={seq_len}", *REMATS[remat]],
+        sets, lengths = REMATS[remat]
+        for seq_len in args.max_seq_lens or lengths:
+            result = lctrain_run([f"data.seq_len={seq_len}", *sets],
                                  recipe="recipes/one_chip.yaml")
             emit(dict(remat=remat, seq_len=seq_len, ran=result["exit"] == 0,
                       **{k: v for k, v in result.items() if k != "records"}))
@@ -140,8 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--block-seq-lens", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--max-seq-recipes", nargs="+", default=list(REMATS), choices=REMATS)
-    parser.add_argument("--max-seq-lens", type=int, nargs="+",
-                        default=[65536, 98304, 114688, 131072])
+    parser.add_argument("--max-seq-lens", type=int, nargs="+", default=None,
+                        help="lengths to try for every remat (default: REMATS' own)")
     parser.add_argument("--mfu-seq-lens", type=int, nargs="+", default=[8192, 32768, 65536])
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         metavar="KEY=VALUE", help="recipe override for the mfu rows")
