@@ -65,8 +65,8 @@ class Chip:
             dcn_bytes_per_s=self.dcn_bytes_per_s and self.dcn_bytes_per_s / n)
 
 
-# HBM is what the runtime hands a program, as libtpu reports it (v5p 95.74 GiB; a v5e's
-# 16 GiB less the runtime's own: 15.75 GiB, seen on a lent chip and in an AOT compile).
+# HBM is what the runtime hands a program, as libtpu reports it (for a v5e, its 16 GiB less
+# the runtime's own).
 CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
     Chip("v4", 32 * GB, 275e12, 45e9, 6, 100 * GB, ("TPU v4",), 1228 * GB),
     Chip("v5e", 15.75 * GIB, 197e12, 45e9, 4, 48 * GB, ("TPU v5 lite", "TPU v5e"), 819 * GB,
@@ -83,9 +83,9 @@ CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
 
 
 # What a TPU program needs beside the buffers XLA's TPU compiler checks against HBM: its own
-# code (30 MB for a 4-layer train step), the batches prefetched beside it and the runtime's
-# own. On a v5e a step the compiler accepted failed to load 3.5 MB short of its code
-# (benchmarks/RESULTS.md, "One v5e chip, 2026-12-07"), so the compiler is given the HBM
+# code, the batches prefetched beside it and the runtime's own. On a v5e a step the
+# compiler accepted failed to load its code, a few MB short (benchmarks/RESULTS.md, "One
+# v5e chip, 2026-12-07"), so the compiler is given the HBM
 # less this (compile_options_for): a program it accepts leaves room to load.
 LOAD_RESERVE_BYTES = 256 * 2**20
 

@@ -42,9 +42,9 @@ ELSEWHERE = {
 
 # How far apart two strategies' estimated step times must be before the plan moves a
 # recipe off the strategy it names. A step time is a roofline: the traffic the planner
-# counts at the links' bandwidth against the flops at the chip's peak. That traffic ran up
-# to 14.6% under the compiled collective bytes (recipes/qwen3_next_like.yaml's ring row,
-# benchmarks/RESULTS.md), and no step on more than one chip has been timed against the
+# counts at the links' bandwidth against the flops at the chip's peak. That traffic has run
+# under the compiled collective bytes by nearly this much (recipes/qwen3_next_like.yaml's
+# ring row in benchmarks/RESULTS.md), and no step on more than one chip has been timed against the
 # estimate, so a smaller difference does not say which strategy runs faster.
 STEP_TIME_ERROR = 0.15
 

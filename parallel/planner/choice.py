@@ -109,7 +109,7 @@ def against_recipe(result: Plan, strategy: str) -> str:
 
 
 def _switching(own: StrategyPlan, other: StrategyPlan) -> str:
-    """'6.01 GB per device less, an estimated step 0.0% slower': moving from own to other."""
+    """'<n> GB per device less, an estimated step <x>% slower': moving from own to other."""
     memory = other.deciding_hbm_bytes - own.deciding_hbm_bytes
     speed = own.step_s / other.step_s - 1
     return (f"{gigabytes(abs(memory))} per device {'more' if memory > 0 else 'less'}, an "

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 from rich.console import Console
 
+from lctrain.kernels.tiles import DEFAULT_BLOCK
 from lctrain.parallel import (LayerStrategies, attention_blocks, attention_kernels, build_mesh,
                               make_strategy)
 from lctrain.parallel.aot import memory_stats
@@ -105,7 +106,7 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
 
 # What a recipe that left the attention kernel to lctrain falls back to when the chip's
 # choice does not fit a core's scoped VMEM: our kernel at the blocks every TPU compiles.
-SAFE_ATTENTION = dict(impl="pallas", block_q=512, block_kv=512)
+SAFE_ATTENTION = dict(impl="pallas", block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK)
 
 
 def build_kernel_that_fits(recipe: Recipe, devices, console: Console | None,
@@ -124,7 +125,7 @@ def build_kernel_that_fits(recipe: Recipe, devices, console: Console | None,
         if a.impl != "auto" and a.block_q and a.block_kv:
             raise RunFailure(kernel_tiles_message(tried)) from err
         say(f"{tried} does not fit the chip's scoped VMEM; trying attention.impl=pallas "
-            f"with blocks of 512")
+            f"with blocks of {DEFAULT_BLOCK}")
         recipe.attention = dataclasses.replace(a, **SAFE_ATTENTION)
         return build_run(recipe, devices, console)
 
