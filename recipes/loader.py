@@ -20,9 +20,9 @@ from .coerce import build, coerce
 from .hf_config import model_fields
 from .linear_checks import validate_linear_layers
 from .mesh_checks import validate_mesh
-from .schema import (KIND_ONLY_STRATEGIES, LAYER_KINDS, MODEL_PRESETS, REMAT_TENSORS, ROPE_KEYS,
-                     ROPE_SCALING_KEYS, ModelConfig, Recipe, RecipeError, read_rope_scaling_keys,
-                     require)
+from .schema import (KIND_ONLY_STRATEGIES, LAYER_KINDS, MODEL_PRESETS, QA_FILES, REMAT_TENSORS,
+                     ROPE_KEYS, ROPE_SCALING_KEYS, ModelConfig, Recipe, RecipeError,
+                     read_rope_scaling_keys, require)
 
 DEFAULT_RECIPE = "quickstart"
 
@@ -251,6 +251,11 @@ def _validate_eval_split(recipe: Recipe) -> None:
     require(e.samples is None or Path(e.samples).is_file(), "eval.samples", e.samples,
             f"no such file (looked for {Path(e.samples or '').absolute()}); give a .jsonl "
             f"of RULER's or lm-eval's samples")
+    for key, dataset in QA_FILES.values():
+        path = getattr(e, key)
+        require(path is None or Path(path).is_file(), f"eval.{key}", path,
+                f"no such file (looked for {Path(path or '').absolute()}); give {dataset}, as "
+                f"RULER's scripts/data/synthetic/json/download_qa_dataset.sh downloads it")
     if e.every and e.source is None and (recipe.data.sources or recipe.data.source != "synthetic"):
         require(e.holdout > 0, "eval.every", e.every,
                  f"evaluating during training needs data it does not train on: set "

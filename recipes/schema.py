@@ -25,7 +25,10 @@ REMAT_TENSORS = (
 # they agree) and the group that runs them all.
 RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
                "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery",
-               "vt", "cwe", "fwe")
+               "vt", "cwe", "fwe", "qa_1", "qa_2")
+# RULER's QA tasks: the eval key naming the local file each is built from, and that file.
+QA_FILES = {"qa_1": ("squad", "SQuAD v2's dev json (dev-v2.0.json)"),
+            "qa_2": ("hotpotqa", "HotpotQA's dev distractor json (hotpot_dev_distractor_v1.json)")}
 
 # The names a recipe may give parallel.strategy: the classes parallel/__init__.py registers
 # under these names (it asserts that they agree: that registry needs jax, which this module
@@ -249,8 +252,9 @@ class EvalConfig:
     task: Literal[("loss", "needle", "passkey", "ruler") + RULER_TASKS] = option(
         "loss", "What `lctrain eval` measures besides loss by position: needle (a key-value "
                 "sentence) or passkey (digits) retrieval over a grid of haystack lengths and "
-                "needle depths; ruler (RULER's tasks: the niah_*, vt, cwe and fwe) or one "
-                "RULER task by name, by length. All scored teacher-forced.")
+                "needle depths; ruler (RULER's tasks: the niah_*, vt, cwe, fwe, and qa_1 / "
+                "qa_2 when eval.squad / eval.hotpotqa is given) or one RULER task by name, by "
+                "length. All scored teacher-forced.")
     lengths: int = option(6, "needle/passkey: haystack lengths, log-spaced up to eval.seq_len; "
                              "RULER: lengths halving from eval.seq_len.")
     depths: int = option(11, "needle/passkey: needle depths, evenly from 0 (start) to 1 (end).")
@@ -258,6 +262,12 @@ class EvalConfig:
         None, "A .jsonl of samples made by RULER's or lm-eval's generators (fields input, "
               "outputs, length; lm-eval's max_length and gen_prefix when there) to score "
               "with RULER's scoring instead of lctrain's own samples.")
+    squad: str | None = option(
+        None, "RULER's qa_1: a local SQuAD v2 dev json (dev-v2.0.json) whose questions and "
+              "paragraphs it is built from; without it the ruler group skips qa_1.")
+    hotpotqa: str | None = option(
+        None, "RULER's qa_2: a local HotpotQA dev distractor json "
+              "(hotpot_dev_distractor_v1.json); without it the ruler group skips qa_2.")
     threshold: float = option(
         85.6, "RULER: the score (%) whose longest length kept at every shorter length too "
               "is the effective context length (RULER's paper: 85.6, Llama-2-7B at 4K).")

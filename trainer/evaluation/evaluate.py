@@ -9,6 +9,7 @@ position the prediction is made at), so only a few numbers per batch reach the h
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -20,9 +21,9 @@ from rich.console import Console
 from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
 from lctrain.trainer.data.sources import make_source
-from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, check_retrieval, grid
-from lctrain.trainer.evaluation.ruler import (check_ruler, is_ruler, packed_batches, ruler_cells,
-                                              ruler_summary, sample_scores)
+from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, grid
+from lctrain.trainer.evaluation.ruler import (cell_score, check_eval_task, is_ruler, ruler_cells,
+                                              ruler_summary)
 from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.model.loss import token_scores
 from lctrain.trainer.outputs.progress import Bar, tracked
@@ -114,13 +115,9 @@ class Evaluator:
         count, cells = ruler_cells(self.recipe, filler, self.recipe.train.seed)
         with Bar(console, f"ruler ({origin})", count) as bar:
             for task, length, samples in cells:
-                per_sample = np.zeros(len(samples))
-                for batch, owners in packed_batches(samples, data.seq_len, data.batch_size,
-                                                    length):
-                    found = self.found(params, batch, len(owners))
-                    per_sample += sample_scores(found, owners, len(samples))
-                scores.setdefault(task, {})[length] = (100 * float(per_sample.mean()),
-                                                       len(samples))
+                score = cell_score(samples, functools.partial(self.found, params),
+                                   data.seq_len, data.batch_size, length)
+                scores.setdefault(task, {})[length] = (score, len(samples))
                 bar.advance()
         return ruler_summary(scores, self.recipe)
 
@@ -159,10 +156,7 @@ def make_string_misses(recipe: Recipe, graphdef, strategy):
 def evaluate(recipe: Recipe, run_dir: Path | None, step: int | None = None,
              console: Console | None = None) -> dict:
     """`lctrain eval`: the run dir's checkpoint (or model.init's weights) evaluated."""
-    if is_ruler(recipe.for_evaluation()):
-        check_ruler(recipe.for_evaluation())
-    else:
-        check_retrieval(recipe)
+    check_eval_task(recipe)
     mesh = mesh_for(recipe, console=console, evaluating=True)
     trainable = build_trainable(recipe, mesh)
     params, origin = load_weights(recipe, trainable, run_dir, step, console)

@@ -1,14 +1,16 @@
 """RULER on the training mesh (eval.task ruler or one of its tasks; eval.samples): samples
-built to each length (ruler_tasks.py) or read from a RULER / lm-eval jsonl file, packed
-into the evaluated sequence, scored teacher-forced, summed up by length.
+built to each length (ruler_tasks.py, ruler_qa.py) or read from a RULER / lm-eval jsonl
+file, packed into the evaluated sequence, scored teacher-forced, summed up by length.
 
-Scoring is RULER's string_match_all, teacher-forced: the sample's prompt is followed by
-its answer laid out as the model would write it (ruler_tasks.answer_layout, RULER's
-output order), and an expected string counts as found when every one of its tokens is
-the argmax given the gold tokens before it. A sample scores the share of its strings
-found; a task at a length, the mean over its samples, in percent. One forward pass per
-batch: samples of one length share a row, each its own segment (docs/evaluation.md says
-where this can differ from greedy generation).
+Scoring is RULER's, teacher-forced: the sample's prompt is followed by its answer laid
+out as the model would write it (ruler_tasks.answer_layout, RULER's output order), and
+an expected string counts as found when every one of its tokens is the argmax given the
+gold tokens before it. string_match_all (every task but QA): a sample scores the share of
+its strings found. string_match_part (QA): each expected answer follows a copy of the
+prompt of its own, and the sample scores 1 when any is found. A task at a length is the
+mean over its samples, in percent. One forward pass per batch: samples of one length
+share a row, each its own segment (docs/evaluation.md says where this can differ from
+greedy generation).
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from pathlib import Path
 
 import numpy as np
 
-from lctrain.recipes.schema import RULER_TASKS, Recipe, RecipeError
+from lctrain.recipes.schema import QA_FILES, RULER_TASKS, Recipe, RecipeError
 from lctrain.trainer.data.batches import Batch, DataSource
-from lctrain.trainer.evaluation.retrieval import FILLER, Pieces
-from lctrain.trainer.evaluation.ruler_tasks import QA_TASKS, TASKS, answer_layout
+from lctrain.trainer.evaluation.retrieval import FILLER, Pieces, check_retrieval
+from lctrain.trainer.evaluation.ruler_qa import DoesNotFit, load_qa, qa, qa_path
+from lctrain.trainer.evaluation.ruler_tasks import TASKS, Draft, answer_layouts
 
 GROUP = "ruler"
-assert tuple(TASKS) == RULER_TASKS, "recipes/schema.py's RULER_TASKS must name ruler_tasks.TASKS"
+assert (*TASKS, *QA_FILES) == RULER_TASKS, \
+    "recipes/schema.py's RULER_TASKS must name ruler_tasks.TASKS and the QA tasks"
 SAMPLE_FIELDS = ("input", "outputs", "length")
+# RULER's generators leave the answer prefix out of `input` in a field of its own, which
+# its prediction script appends as it is; lm-eval's gen_prefix goes after a space.
+PREFIX_FIELDS = (("answer_prefix", ""), ("gen_prefix", " "))
 
 
 @dataclass(frozen=True)
@@ -37,20 +44,40 @@ class Scored:
     strings: list[tuple[int, int]]
 
 
+# A sample: its alternatives, each scored on its own, the best counting (QA: one per
+# expected answer; every other task: one, holding all its strings).
+Sample = list[Scored]
+
+
 def is_ruler(recipe: Recipe) -> bool:
-    return bool(recipe.eval.samples) or recipe.eval.task == GROUP or recipe.eval.task in TASKS
+    return bool(recipe.eval.samples) or recipe.eval.task in (GROUP, *RULER_TASKS)
 
 
 def task_names(recipe: Recipe) -> list[str]:
-    return list(TASKS) if recipe.eval.task == GROUP else [recipe.eval.task]
+    """The tasks scored: one, or the group's, less the QA tasks without their file."""
+    if recipe.eval.task != GROUP:
+        return [recipe.eval.task]
+    return [task for task in RULER_TASKS if task not in skipped_tasks(recipe)]
 
 
 def skipped_tasks(recipe: Recipe) -> dict[str, str]:
     """Tasks of the group that are not scored, and why."""
     if recipe.eval.task != GROUP or recipe.eval.samples:
         return {}
-    return {task: "needs a local SQuAD or HotpotQA file, which lctrain does not read yet"
-            for task in QA_TASKS}
+    return {task: f"needs eval.{key}: {dataset}" for task, (key, dataset) in QA_FILES.items()
+            if qa_path(task, recipe) is None}
+
+
+def task_draft(task: str, recipe: Recipe):
+    """(rng, length) -> Draft for `task`; a QA task reads its file (RecipeError if it
+    cannot)."""
+    if task not in QA_FILES:
+        return TASKS[task]
+    if qa_path(task, recipe) is None:
+        key, dataset = QA_FILES[task]
+        raise RecipeError(f"recipe key 'eval.task' = {task!r}: RULER's {task} is built from "
+                          f"a local file; set eval.{key} to {dataset}")
+    return qa(load_qa(task, recipe))
 
 
 def ruler_lengths(recipe: Recipe) -> list[int]:
@@ -99,22 +126,31 @@ def assemble(prompt: list[int], answer: list[tuple[list[int], bool]], length: in
     return Scored(np.asarray(tokens, np.int64), strings)
 
 
-def build_sample(task: str, text: SampleText, rng: np.random.Generator,
-                 length: int) -> Scored:
+def encoded_answers(task: str, outputs: list[str], text: SampleText):
+    """Each alternative answer (ruler_tasks.answer_layouts) as (tokens, scored) pieces."""
+    for layout in answer_layouts(task, outputs):
+        yield list(zip(text.encode([piece for piece, _ in layout]),
+                       [scored for _, scored in layout]))
+
+
+def build_sample(task: str, draft: Draft, text: SampleText, length: int) -> Sample:
     """One sample of `task` filling `length` tokens less the task's answer budget."""
-    draft = TASKS[task](rng, length)
     head, tail = text.encode([draft.head, draft.tail])
     head = [*text.pieces.bos, *head]
     budget = length - draft.tokens_to_generate - len(head) - len(tail)
     where = f"eval.task {task} at {length:,} tokens"
+    fix = "raise eval.seq_len or lower eval.lengths"
     if budget < 0:
         raise RecipeError(f"{where}: its template and answer budget take "
-                          f"{length - budget:,} tokens; raise eval.seq_len or lower "
-                          f"eval.lengths")
-    layout = answer_layout(task, draft.outputs)
-    answer = zip(text.encode([piece for piece, _ in layout]), [scored for _, scored in layout])
-    return assemble([*head, *draft.context(text, budget), *tail], list(answer), length, where,
-                    "raise eval.seq_len or lower eval.lengths")
+                          f"{length - budget:,} tokens; {fix}")
+    try:
+        prompt = [*head, *draft.context(text, budget), *tail]
+    except DoesNotFit as error:
+        raise RecipeError(f"{where}: the question's own documents take {error.needed:,} "
+                          f"tokens, more than the {budget:,} its template and answer budget "
+                          f"leave; {fix}") from None
+    return [assemble(prompt, answer, length, where, fix)
+            for answer in encoded_answers(task, draft.outputs, text)]
 
 
 def generated_cells(recipe: Recipe, source: DataSource | None, seed: int):
@@ -123,13 +159,16 @@ def generated_cells(recipe: Recipe, source: DataSource | None, seed: int):
     pieces = Pieces(recipe)
     seq_len, rows = recipe.data.seq_len, recipe.data.batch_size
     for task in task_names(recipe):
+        make_draft = task_draft(task, recipe)
         for length in ruler_lengths(recipe):
             count = rows * (seq_len // length)
-            task_index = list(TASKS).index(task)
-            yield task, length, [
-                build_sample(task, SampleText(pieces, source, index % rows),
-                             np.random.default_rng([seed, task_index, length, index]), length)
-                for index in range(count)]
+            task_index = RULER_TASKS.index(task)
+            samples = []
+            for index in range(count):
+                rng = np.random.default_rng([seed, task_index, length, index])
+                samples.append(build_sample(task, make_draft(rng, length),
+                                            SampleText(pieces, source, index % rows), length))
+            yield task, length, samples
 
 
 def file_cells(recipe: Recipe):
@@ -137,31 +176,43 @@ def file_cells(recipe: Recipe):
     sample is meant for (lm-eval's max_length, else RULER's length)."""
     path = Path(recipe.eval.samples)
     text = SampleText(Pieces(recipe), None, 0)
-    cells: dict[tuple[str, int], list[Scored]] = {}
+    cells: dict[tuple[str, int], list[Sample]] = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         record = read_record(line, f"eval.samples: {path} line {number}")
-        task = record.get("task") or path.stem
+        task = record.get("task") or file_task(path)
         length = int(record.get("max_length") or record["length"])
         where = f"eval.samples: {path} line {number} ({task})"
         if length > recipe.data.seq_len:
             raise RecipeError(f"{where}: meant for {length:,} tokens, longer than eval.seq_len "
                               f"{recipe.data.seq_len:,}; set eval.seq_len >= {length}")
-        prompt = record["input"] + (f" {record['gen_prefix'].strip()}"
-                                    if record.get("gen_prefix") else "")
-        layout = answer_layout(task, list(record["outputs"]))
-        encoded = text.encode([prompt, *(piece for piece, _ in layout)])
-        answer = list(zip(encoded[1:], [scored for _, scored in layout]))
-        cells.setdefault((task, length), []).append(
-            assemble([*text.pieces.bos, *encoded[0]], answer, length, where,
-                     "make the samples with the model's tokenizer (data.tokenizer)"))
+        [prompt] = text.encode([record["input"] + answer_prefix(record)])
+        cells.setdefault((task, length), []).append([
+            assemble([*text.pieces.bos, *prompt], answer, length, where,
+                     "make the samples with the model's tokenizer (data.tokenizer)")
+            for answer in encoded_answers(task, list(record["outputs"]), text)])
     for (task, length), samples in sorted(cells.items(), key=lambda cell: cell[0][::-1]):
         yield task, length, samples
 
 
+def file_task(path: Path) -> str:
+    """The task of a file's samples without a task field: the file's name, or its
+    folder's for RULER's <task>/validation.jsonl."""
+    return path.parent.name if path.stem in ("validation", "test") else path.stem
+
+
+def answer_prefix(record: dict) -> str:
+    """What follows the input before the answer: RULER's answer_prefix or lm-eval's
+    gen_prefix."""
+    for field, joint in PREFIX_FIELDS:
+        if record.get(field):
+            return joint + record[field].strip() if joint else record[field]
+    return ""
+
+
 def read_record(line: str, where: str) -> dict:
-    """One jsonl line with RULER's fields; QA samples are refused (not scored yet)."""
+    """One jsonl line with RULER's fields."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -171,9 +222,6 @@ def read_record(line: str, where: str) -> dict:
     if missing:
         raise RecipeError(f"{where}: no {', '.join(missing)}; a sample needs the fields "
                           f"{', '.join(SAMPLE_FIELDS)} (RULER's and lm-eval's)")
-    if str(record.get("task", "")).startswith("qa"):
-        raise RecipeError(f"{where}: QA samples (string_match_part) are not scored yet; "
-                          f"leave them out of eval.samples")
     return record
 
 
@@ -194,10 +242,21 @@ def check_ruler(recipe: Recipe) -> None:
         for _ in file_cells(recipe):
             pass
         return
-    pieces = Pieces(recipe)
+    pieces, shortest = Pieces(recipe), ruler_lengths(recipe)[0]
     for task in task_names(recipe):
-        build_sample(task, SampleText(pieces, None, 0), np.random.default_rng(0),
-                     ruler_lengths(recipe)[0])
+        draft = task_draft(task, recipe)(np.random.default_rng(0), shortest)
+        build_sample(task, draft, SampleText(pieces, None, 0), shortest)
+
+
+def check_eval_task(recipe: Recipe) -> None:
+    """RecipeError unless eval.task's samples (RULER's or the retrieval grid's) fit the
+    lengths they are for: phase 2 of `lctrain eval`'s checks, and of a run's that evaluates
+    during training, before anything compiles."""
+    evaluated = recipe.for_evaluation()
+    if is_ruler(evaluated):
+        check_ruler(evaluated)
+    else:
+        check_retrieval(recipe)
 
 
 def packed_batches(samples: list[Scored], seq_len: int, rows: int, slot: int):
@@ -228,6 +287,20 @@ def sample_scores(found: np.ndarray, owners: list[int], count: int) -> np.ndarra
     """Per sample, the share of its expected strings found (string_match_all)."""
     strings = np.bincount(owners, minlength=count)
     return np.bincount(owners, found.astype(float), minlength=count) / np.maximum(strings, 1)
+
+
+def cell_score(samples: list[Sample], found_in, seq_len: int, rows: int, length: int) -> float:
+    """A task's score (%) at one length: per sample its best alternative's share of
+    strings found, averaged. found_in(batch, strings) says whether each of the batch's
+    strings (loss-mask ids 1..strings) was found."""
+    alternatives = [alternative for sample in samples for alternative in sample]
+    sample_of = np.repeat(np.arange(len(samples)), [len(sample) for sample in samples])
+    shares = np.zeros(len(alternatives))
+    for batch, owners in packed_batches(alternatives, seq_len, rows, length):
+        shares += sample_scores(found_in(batch, len(owners)), owners, len(alternatives))
+    best = np.zeros(len(samples))
+    np.maximum.at(best, sample_of, shares)
+    return 100 * float(best.mean())
 
 
 def effective_length(lengths: list[int], averages: list[float | None],

@@ -118,6 +118,21 @@ def answer_layout(task: str, outputs: list[str]) -> list[tuple[str, bool]]:
             for piece in ([(between, False)] if i and between != " " else []) + [(f" {value}", True)]]
 
 
+def scores_any_answer(task: str) -> bool:
+    """RULER's QA tasks (qa_1, qa_2; lm-eval's ruler_qa_squad, ruler_qa_hotpot) score
+    string_match_part: any one of the expected answers counts."""
+    return "qa" in task.split("_")
+
+
+def answer_layouts(task: str, outputs: list[str]) -> list[list[tuple[str, bool]]]:
+    """The answers scored, each after a copy of the prompt of its own: every expected
+    answer alone for QA (any one counts, so each is forced on its own), else the one
+    layout of all the strings."""
+    if scores_any_answer(task):
+        return [[(f" {answer}", True)] for answer in outputs]
+    return [answer_layout(task, outputs)]
+
+
 def units_up_to(encode: Encode, texts: list[str], budget: int) -> list[list[int]]:
     """Encoded texts, taken while they fit in `budget` tokens together."""
     units, used = [], 0
@@ -350,7 +365,7 @@ def frequent_words(alpha: float = 2.0, letters: int = 6):
 
 
 # eval.task names: RULER's 13 tasks (synthetic.yaml's parameters) but the two QA tasks,
-# which need a SQuAD or HotpotQA file (not built yet: the ruler group names them skipped).
+# which are built from the file the user gives (ruler_qa.py).
 TASKS = {
     "niah_single_1": niah("noise", "words", "numbers"),
     "niah_single_2": niah("essay", "words", "numbers"),
@@ -364,4 +379,3 @@ TASKS = {
     "cwe": common_words(),
     "fwe": frequent_words(),
 }
-QA_TASKS = ("qa_1", "qa_2")

@@ -22,7 +22,7 @@ from lctrain.recipes import Recipe
 from lctrain.trainer.data.checks import check_data
 from lctrain.trainer.data.provenance import (PlannedRecord, check_against_record, plan_record,
                                              read_record)
-from lctrain.trainer.evaluation.retrieval import check_retrieval
+from lctrain.trainer.evaluation.ruler import check_eval_task
 from lctrain.trainer.state.checkpoint import saved_steps
 from lctrain.trainer.state.device_checks import DevicePlan, check_devices
 from lctrain.trainer.train.init_from import InitFrom, checked_init_from
@@ -42,7 +42,7 @@ def check_run(recipe: Recipe, run_dir: Path, devices=None, init_from: InitFrom |
     """RecipeError unless `recipe` can train in `run_dir` on `devices` (default: all)."""
     check_data(recipe)
     if recipe.eval.every:
-        check_retrieval(recipe)
+        check_eval_task(recipe)
     rerun_note = check_rerun(recipe, run_dir)
     tokenizer_record = _tokenizer_record(recipe, run_dir)
     init_from = checked_init_from(init_from, recipe, run_dir, console)
