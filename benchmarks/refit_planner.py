@@ -1,22 +1,28 @@
 """The planner's per-chip HBM estimate against the compiled figures of
 benchmarks/data/planner_grid.jsonl (benchmarks/planner_grid.py), and a refit of its
-CALIBRATION (parallel/planner/memory.py) on the "fit" grid.
+calibration (parallel/planner/calibration.json, which memory.py's CALIBRATION reads).
 
     python benchmarks/refit_planner.py            # table, worst and rms error per grid
-    python benchmarks/refit_planner.py --fit      # + the CALIBRATION that fits the fit grid
+    python benchmarks/refit_planner.py --fit      # refit on the fit grid, write the file
     python benchmarks/refit_planner.py --fit --fit-grid fit --fit-grid small
+    python benchmarks/refit_planner.py --record   # the accuracy alone, values kept
 
 The error is (estimate - compiled) / compiled. Points XLA refused count with the bytes its
-out-of-memory message says the program needs. The refit changes nothing on disk: it prints
-the proposed dict and the errors before and after, for every grid in the file.
+out-of-memory message says the program needs. --fit writes the refitted copy counts with
+their provenance (date, toolchain, grids) and --fit and --record the estimate's accuracy
+per grid and libtpu release, which the plan's notes quote (parallel/planner/accuracy.py);
+review the change with `git diff` and record the round in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
+import json
 import math
+import platform
 import sys
 from pathlib import Path
 
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_grid import load_records, recipe_and_mesh, versions  # noqa: E402
 
 from lctrain.parallel import chips, planner  # noqa: E402
+from lctrain.parallel.planner.calibration import calibration, calibration_path  # noqa: E402
 
 # CALIBRATION entries the 8B grid cannot decide, left at the small models' values
 # (tests/test_planner.py's grid). None today: the MLP-chunk points (the MLP's [tokens, d_ff]
@@ -104,6 +111,48 @@ def print_table(records: list[dict], title: str) -> None:
         print(f"{grid:<8} {len(errors)} points: worst {100 * worst:.1f}%, rms {100 * rms:.1f}%")
 
 
+def accuracy_of(records: list[dict], tolerance: float = TOLERANCE) -> dict:
+    """Points, worst |error| and rms per grid, with the points beyond `tolerance`."""
+    grids = {}
+    for grid in sorted({r["grid"] for r in records}):
+        errors = {label(r): relative_error(r) for r in records if r["grid"] == grid}
+        worst, rms = summary(list(errors.values()))
+        grids[grid] = {"points": len(errors), "worst": round(worst, 3), "rms": round(rms, 3),
+                       "outside": {name: round(error, 3) for name, error in errors.items()
+                                   if abs(error) > tolerance}}
+    return grids
+
+
+def accuracy_by_libtpu(records: list[dict]) -> dict:
+    """accuracy_of for the points each libtpu release compiled (the estimate is the
+    same formula whatever is installed; the compiled figures are each release's own)."""
+    return {libtpu: {"jax": next(r["versions"]["jax"] for r in records
+                                 if r["versions"]["libtpu"] == libtpu),
+                     "grids": accuracy_of([r for r in records
+                                           if r["versions"]["libtpu"] == libtpu])}
+            for libtpu in sorted({r["versions"]["libtpu"] for r in records})}
+
+
+def write_calibration(all_records: list[dict], fitted: dict[str, float] | None = None,
+                      fit_grids: list[str] | None = None) -> None:
+    """Write calibration.json: the copies `fitted` with their provenance where given, and
+    the accuracy of the values then in force on every recorded toolchain's points. What
+    each term counts and the notes on what the grid does not cover are kept."""
+    document = json.loads(json.dumps(calibration()))
+    today = datetime.date.today().isoformat()
+    if fitted:
+        for name, value in fitted.items():
+            document["terms"][name]["copies"] = value
+        document["fitted"].update(
+            date=today, fit_grids=fit_grids,
+            toolchain={"python": ".".join(platform.python_version_tuple()[:2]), **versions()})
+    with calibrated(fitted or {}):
+        document["accuracy"].update(recorded=today,
+                                    by_libtpu=accuracy_by_libtpu(all_records))
+    calibration_path().write_text(json.dumps(document, indent=1) + "\n")
+    print(f"\nwrote {calibration_path()}")
+
+
 def print_outside(records: list[dict], tolerance: float = TOLERANCE) -> None:
     """The points beyond `tolerance`, as tests/test_planner_grid.py's OUTSIDE lists them."""
     print(f"\noutside {tolerance:.0%} (tests/test_planner_grid.py OUTSIDE):")
@@ -149,7 +198,11 @@ def refit(records: list[dict], tolerance: float = FIT_AIM) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true",
-                        help="refit CALIBRATION on the fit grid and show its errors")
+                        help="refit CALIBRATION on the fit grid, show its errors and write "
+                             "parallel/planner/calibration.json")
+    parser.add_argument("--record", action="store_true",
+                        help="write the accuracy of today's CALIBRATION alone (after "
+                             "recompiling grid points)")
     parser.add_argument("--fit-grid", action="append",
                         help="grids the refit minimises the error on (repeat; default: fit; "
                              "add small to keep tests/test_planner.py's grid in bounds)")
@@ -162,15 +215,19 @@ def main() -> None:
                  "benchmarks/planner_grid.py first")
     print_table(records, "CALIBRATION today")
     print_outside(records)
+    every_toolchain = usable(load_records(), only_installed=False)
+    if args.record:
+        write_calibration(every_toolchain)
     if not args.fit:
         return
     fit_grids = args.fit_grid or ["fit"]
     proposal = refit([r for r in records if r["grid"] in fit_grids])
-    print(f"\nproposed CALIBRATION (the entries {', '.join(fit_grids)} moves):")
+    print(f"\nrefitted CALIBRATION (the entries {', '.join(fit_grids)} moves):")
     for name, value in proposal.items():
-        print(f"    {name!r}: {value},   # today {planner.CALIBRATION[name]}")
+        print(f"    {name!r}: {value},   # was {planner.CALIBRATION[name]}")
     with calibrated(proposal):
-        print_table(records, "proposed CALIBRATION")
+        print_table(records, "refitted CALIBRATION")
+    write_calibration(every_toolchain, proposal, fit_grids)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from tpu_aot import needs_libtpu
 
+from lctrain.parallel.planner import accuracy
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmarks are scripts, not a package
 grid = pytest.importorskip("planner_grid")
@@ -19,18 +21,14 @@ refit = pytest.importorskip("refit_planner")
 
 TOLERANCE = 0.15
 RECOMPILE_TOLERANCE = 0.005
-# Points the formulas do not follow yet, by libtpu release (refit_planner.label -> error
-# measured with today's CALIBRATION, which was fitted on 0.0.42.1): each is expected to
-# fail, and passes the day the planner follows it. The plan says so for other releases
-# (parallel/planner/accuracy.ELSEWHERE).
-OUTSIDE_BY_LIBTPU: dict[str, dict[str, float]] = {
-    # 512K tokens per chip: XLA's figure is 20.8 GB above the estimate (whose peak is
-    # ulysses' layer backward; the other strategies there are within 7%); the buffer
-    # assignment is still to be read
-    "0.0.42.1": {"v5p:2x2x1 2048K offload_mlp_chunks ulysses": -0.182},
-    "0.0.50.1": {"tiny512 v5p:2x2x1 8K full all_gather": 0.171},
-}
-OUTSIDE = OUTSIDE_BY_LIBTPU.get(grid.versions()["libtpu"], {})
+# Points the formulas do not follow yet (refit_planner.label -> error), as
+# parallel/planner/calibration.json records them for the installed libtpu: each is expected
+# to fail, and passes the day the planner follows it. The plan names the release its
+# calibration comes from (parallel/planner/accuracy.py); benchmarks/RESULTS.md says what is
+# known about each point.
+MEASURED = accuracy.accuracy()["by_libtpu"].get(grid.versions()["libtpu"], {})
+OUTSIDE = {name: error for measured in MEASURED.get("grids", {}).values()
+           for name, error in measured["outside"].items()}
 
 RECORDS = refit.usable(grid.load_records())
 

@@ -28,26 +28,11 @@ the strategy's own cost model (parallel/cost_model.py); the rest is common to al
 Calibration. XLA's temporary allocation is not the sum of what the code creates: it fuses
 intermediates away, keeps extra copies (relayouts, stacked residuals), and its buffer
 assignment is larger than the live peak. CALIBRATION holds how many copies of each term
-count. They were first fitted on small models on v5p:2x2x1 (tests/test_planner.py's grid,
-where the traffic figures match XLA's collective bytes within 3.5%), and are now refitted
-(`python benchmarks/refit_planner.py --fit`) on the "fit" grid of
-benchmarks/data/planner_grid.jsonl: llama3.1-8b compiled for v5p:2x2x1 (128K, 512K tokens;
-1M with the layer inputs offloaded and the MLP in chunks, recipes/llama3_8b_1m.yaml) and
-v5p:4x4x4 (1M, 4M), all_gather, ulysses, ring, usp x full and offloaded remat. There the
-estimate is within 11.2% of XLA's per-chip HBM (rms 5.0%, 32 points); on the held-out grid
-(256K, 1M on 4 chips, 512K and 2M with MLP chunks, 128K with recipes/llama3_8b_128k.yaml's
-settings, and in groups of two layers at 128K and 2M; 2M, 8M on 64) within 14.7% but for
-ulysses at 2M on 4 chips, 18.2% under (rms 6.9%, 41 points); on the small models' grid
-within 14.0% (rms 8.7%, 24 points). Every point was compiled again after the loss and MLP
-scheduling fixes of 2026-12-04 (trainer/model/loss.py,
-trainer/model/transformer.gradients_together), which moved the figures by up to 37% (ring
-on 64 chips, offloaded); before them the estimate was within 14.0% / 24.5%, with usp (Ulysses
-degree above the KV heads) and all_gather at 8M on 64 chips outside 15%. The ring's and
-usp's points were compiled again on 2026-12-05 after the ring backward's new order
-(parallel/ring.py: the 1M recipe 83.71 -> 76.19 GB, so its estimate is now 11.2% high;
-only programs with MLP chunks moved); CALIBRATION was fitted before that. Where the grid stops (more chips, other models),
-accuracy.py says so in the plan. The traffic figures are formulas of the code, checked
-exactly.
+count, fitted on compiled programs: calibration.json beside this module, which
+`python benchmarks/refit_planner.py --fit` writes with what each term counts, the
+toolchain and grid of the fit and the estimate's accuracy (accuracy.py's notes quote it;
+benchmarks/RESULTS.md, "Planner accuracy, round by round", has the refits' history). The
+traffic figures are formulas of the code, checked exactly.
 """
 
 from __future__ import annotations
@@ -58,6 +43,7 @@ from lctrain import kernels
 from lctrain.kernels import splash
 from lctrain.parallel import STRATEGIES
 from lctrain.parallel.cost_model import F32, AttentionFootprint, Dims
+from lctrain.parallel.planner.calibration import fitted_copies
 from lctrain.parallel.planner.layer_kinds import KindsCostModel
 from lctrain.parallel.planner.shapes import (Weights, checkpoint_shares, loss_chunks,
                                              mlp_chunk_len)
@@ -67,69 +53,9 @@ from lctrain.recipes.schema import Recipe
 
 SPLASH_LSE_LANES = 128
 
-# How many copies of a tensor are alive at the peak, fitted on compiled programs (the fit
-# grid of benchmarks/data/planner_grid.jsonl) where the code alone does not decide it. The
-# buffers named below are from the buffer assignment XLA dumps (--xla_dump_to) for
-# llama3.1-8b at 1M-2M tokens on v5p:4x4x4.
-CALIBRATION = {
-    # f32 [b, heads, block_q, block_kv] scores, probabilities, dp, ds of one block pair in
-    # the xla kernel's loops.
-    "kernel_block_scores": 6.031,
-    # The strategy's attention working set in one layer's backward (as the code writes
-    # it: gathered / all-to-all'd / rotating tensors and their gradients), per copy: XLA
-    # reuses buffers between the forward and backward halves.
-    "attention_copies": 0.94,
-    # The same for a ring's rotating blocks and accumulators (usp's too). Only programs
-    # with the MLP in chunks (remat.mlp_chunk_tokens) peak there: fitted on
-    # recipes/llama3_8b_1m.yaml's ring and usp (the small models' value was 0.35).
-    "ring_attention_copies": 1.193,
-    # One layer's backward MLP intermediates, in units of 5 [b, tokens, d_ff] (gate, up,
-    # silu(gate) * up and two gradients; tokens: one chunk with remat.mlp_chunk_tokens):
-    # 1.605 on the programs before trainer/model/transformer.gradients_together (their 64-chip ring
-    # program placed bf16 [16384, 14336] buffers at 8-9 offsets), 0.985 since.
-    "layer_backward": 0.985,
-    # [b, s_l, d_model] compute-dtype tensors alive in one layer's backward (inputs,
-    # residuals, norms, projections and their gradients). Without MLP chunks this is a
-    # fixed share of the MLP's term at one model width; the grid's MLP-chunk points (one
-    # chunk's [tokens, d_ff] intermediates) part the two.
-    "layer_width_tensors": 4.927,
-    # Saved named tensors (minimal, custom) per copy the policy implies: XLA keeps the
-    # scan's stacked residuals and a relayout of some of them.
-    "saved_copies": 1.273,
-    # The scan's stacked layer inputs (the carry every policy keeps unless it is
-    # offloaded): the buffer assignment holds one bf16 [32, 1, s_l, 4096] stack, yet a
-    # full-remat program's HBM exceeds its offloaded twin's by 1.3-2.0 stacks on 4 chips
-    # and 1.25-2.25 for ring and usp on 64 (all_gather on 64 chips: 0.7-1.7). Fitted: the
-    # compiled figure (memory_analysis) exceeds the buffer assignment's own total by more
-    # with the stack on the device (usp, 1M tokens on v5p:4x4x4: by 5.5 GB against 2.0
-    # GB offloaded), so the extra copies are not tensors the dump names.
-    "stacked_input_copies": 1.711,
-    # Compute-dtype copies of the stacked layer weights: the hoisted casts (one). With the
-    # f32 gradients below it scales as 1 / ZeRO group on the 8B grid, so the two trade.
-    "weight_copies": 2.047,
-    # The copies remat.recast_weights removes (the hoisted casts: XLA then casts each
-    # layer's weights inside the loop): 0.76-0.85 of one (2.65-2.95 GB) for the four
-    # strategies of recipes/llama3_8b_128k.yaml on v5p:2x2x1, compiled with and without.
-    "recast_weight_copies": 0.79,
-    # A checkpointed group's backward (remat.layers_per_checkpoint = k > 1) recomputes the
-    # inputs of its other k - 1 layers and holds them with their gradients: copies of one
-    # [b, s_l, d_model] compute-dtype tensor per recomputed input. llama3.1-8b, 512K tokens
-    # per chip, compiled in groups of 2 and of 1: +21.6 GB (5.0 inputs) on v5p:4x4x4 and
-    # +8.1 GB on v5p:2x2x4 (ring), but none on v5p:2x2x1, where the peak sits elsewhere;
-    # 1.8 keeps every compiled point within 15% (benchmarks/RESULTS.md, 2026-12-07).
-    "group_input_copies": 1.8,
-    # f32 gradient buffers in the layers' backward.
-    "gradient_copies": 1.224,
-    # Copies of the gathered output weights (compute dtype) in the loss backward.
-    "head_weight_copies": 0.394,
-    # The gathered embedding and output tables (compute dtype), kept through the whole
-    # step, in units of one table: 1.587 on the programs before the loss and MLP scheduling
-    # fixes of 2026-12-04 (the 64-chip ones placed bf16 [4096, 128256] at four offsets);
-    # the refit on the programs since finds none beside the other terms.
-    "gathered_table_copies": 0.0,
-    # One chunk's f32 logits: the logits and their softmax / gradient.
-    "logits_copies": 1.404,
-}
+# How many copies of each term are alive at the peak (calibration.json says what each
+# counts and where its value comes from). A dict the refit updates in place.
+CALIBRATION = fitted_copies()
 
 # The terms of each phase; the peak holds the largest phase and every term of no phase.
 # One layer's backward runs its MLP and its attention one after the other, so their
@@ -225,10 +151,9 @@ def _attention_working_set(strategy: type[ContextStrategy] | KindsCostModel,
     all-to-all'd tensors) attention_copies times; with one, the ring's rotating blocks
     and accumulators ring_attention_copies times, and nothing for usp's all-to-alls around
     it: their local side holds the ring's q, k, v, out, dout in the other layout, freed as
-    the exchange goes (a copy of it beside the ring's, as usp's footprint counts it, is
-    what the compiled programs do not hold: 1M tokens on v5p:2x2x1 with the MLP in
-    chunks compiles to 83.74 GB for usp, 87.04 GB for ring). With layer kinds, the
-    largest kind's: one layer's backward runs at a time."""
+    the exchange goes (the compiled programs hold no copy of it beside the ring's, as
+    usp's footprint counts it: calibration.json's ring_attention_copies). With layer
+    kinds, the largest kind's: one layer's backward runs at a time."""
     if isinstance(strategy, KindsCostModel):
         return max(_attention_working_set(cls, kind_dims)
                    for cls, kind_dims in strategy.kinds.values())
@@ -289,15 +214,14 @@ def _kernel_scratch(dm: Dims, call: AttentionFootprint, impl: str,
     """The kernel's own memory for the strategy's kernel call: the xla kernel's block
     scores, splash's wide logsumexp. The Pallas kernels (ours and splash) add no copies of
     q, k, v, out, dout: the strategies keep them in the kernel's own layout
-    (kernels.native_layout; the 8B grid's refit found 0.0 copies of a head-major relayout
-    beside the layer's tensors, where it found 0.047 before the kernels read their own
-    layout)."""
+    (kernels.native_layout; the refit finds no head-major relayout beside the layer's
+    tensors)."""
     b = dm.b
     sq, skv, heads = call.q_tokens, call.kv_tokens, call.heads
     terms: dict[str, float] = {}
     if impl == "splash":
         # splash writes its logsumexp 128 lanes wide ([heads, sq, 128] f32) before keeping
-        # lane 0 (1M tokens on 4 v5p chips, ring: +4.2 GB over our kernel, compiled)
+        # lane 0
         terms["kernel_scratch"] = b * heads * sq * SPLASH_LSE_LANES * F32
     if impl == "xla":
         block_q, block_kv = min(recipe.attention.block_q, sq), min(recipe.attention.block_kv, skv)
