@@ -17,8 +17,8 @@ f32 (kernels without that add it right after), so a step waits for it before its
 kernel: one f32 dK/dV buffer per step where adding after the kernel (the hop hidden
 behind it) holds three, the sum going out, the one coming in and the fresh block. With
 the own chunk first (as the forward does it), its f32 dK/dV waited through every other
-step for the sum to come home: llama3.1-8b at 1M tokens on v5p:2x2x1
-(recipes/llama3_8b_1m.yaml) needed 83.71 GB per chip that way, 76.19 GB this way. The
+step for the sum to come home, which cost recipes/llama3_8b_1m.yaml several GB per chip
+(benchmarks/RESULTS.md, "llama3.1-8b on 4 v5p chips, against MaxText"). The
 price is the first K/V hop of the backward, which no ring kernel hides (one bf16 K/V
 chunk per layer), and the dK/dV hops each step waits for: 8 bytes per K/V element
 against the kernel's 10 * chunk * (query heads / KV heads) flops, at 256K tokens per
@@ -243,8 +243,8 @@ def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
         # delta is recomputed per step from out (a row sum; its reads are small next to
         # the kernel's). Computed once before the steps, out would die early and the
         # live set shrink by a q-sized buffer, yet XLA's TPU allocator packs the program
-        # worse: llama3.1-8b at 1M tokens on v5p:2x2x1 compiles to 94.52 GB per chip
-        # that way, 88.11 GB this way (measured before dK/dV were summed in place).
+        # worse: recipes/llama3_8b_1m.yaml compiled to more that way (benchmarks/
+        # RESULTS.md, "llama3.1-8b on 4 v5p chips, against MaxText").
         delta = row_dot(out, dout, layout)
         dq, dk, dv = kernels.attention_block_backward(
             q, k, v, delta, lse, dout, q_positions=positions, kv_positions=ids[0],
@@ -272,8 +272,8 @@ def _ring_bwd(axis_name, kernel_options, given_layout, residuals, dout):
 
     # Zeros XLA may make early, holding 4 GiB per chip through the work before the
     # first kernel at 1M tokens on 4 chips. Made from a result of that work instead (0
-    # x out), the program needed 83.78 GB instead of 87.04 (before the scheduling
-    # fixes), but XLA:CPU then corrupts buffers in the interpreted Pallas kernel that
+    # x out), the program needed less (benchmarks/RESULTS.md, "llama3.1-8b on 4 v5p
+    # chips, against MaxText"), but XLA:CPU then corrupts buffers in the interpreted Pallas kernel that
     # adds into them (tests/test_halo.py's windowed ring gets NaNs): left as a
     # constant until that is understood.
     dq = jnp.zeros(q.shape, jnp.float32)

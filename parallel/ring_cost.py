@@ -17,11 +17,10 @@ from lctrain.parallel.cost_model import (F32, RING_SENDS, TOKEN_IDS, AttentionFo
 def ring_attention_footprint(dm: Dims) -> AttentionFootprint:
     """K, V, ids in flight (current + next), f32 dK, dV, f32 out/dq accumulators and lse,
     q/out/dout in the compute dtype: all of one ring step's chunk. dK/dV count three
-    pairs although a step holds one (the kernel adds into the sum that arrived): a fitted
-    figure: on the grid recompiled after the ring's own chunk went last, the estimate
-    with three is within 11.2% on the fit grid, and a refit with one pair does no better
-    than 14.0% (benchmarks/refit_planner.py --fit). Only programs with the MLP in chunks
-    peak here."""
+    pairs although a step holds one (the kernel adds into the sum that arrived): on the
+    grid recompiled after the ring's own chunk went last, a refit with one pair
+    (benchmarks/refit_planner.py --fit) fits worse than three (benchmarks/RESULTS.md,
+    "Planner accuracy, round by round"). Only programs with the MLP in chunks peak here."""
     d, p = dm.d, dm.p
     heads = dm.h // dm.u
     kv = max(math.lcm(dm.kv, dm.u) // dm.u, 1) if dm.u > 1 else dm.kv

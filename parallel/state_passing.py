@@ -17,8 +17,8 @@ columns evolve independently), ends at [A | B]. Then each device
 Outputs from the first pass instead (each is affine in S_0 too: o_t = S_0^T (A_t^T q_t)
 + o_t from zero, so [A_t^T q_t | o_t from zero] corrected by S(run)) would save the
 second pass's chunk terms, but they are f32 and d_k + d_v wide, and their gradient too:
-Qwen3-Next-like at 256K tokens on v5p:2x2x4 (recipes/qwen3_next_like.yaml) needed 57.38
-GB per chip that way with every layer linear, 55.24 GB this way (benchmarks/RESULTS.md).
+recipes/qwen3_next_like.yaml needed more memory per chip that way (benchmarks/RESULTS.md,
+"A linear layer's own working set").
 
 The backward: the kernel's custom VJP, and a custom VJP of steps 1-2 that all-gathers
 the gradients of the runs' start states (d_k x d_v per run) and walks the fold backwards

@@ -35,9 +35,8 @@ collective (in-slice reduce-scatter, one DCN collective per in-slice position on
 in D slices is (D-1)/(n-1) for all-gather, reduce-scatter and all-reduce, and
 n(D-1)/(D(n-1)) for an all-to-all (the blocks bound for other slices). Each source's DCN
 part is its own entry, `<source>:dcn`. XLA sends some gradients across unscattered (the
-tiny model's attention projections), so the compiled DCN bytes exceed this floor: 1.69x
-for the tiny model of tests/test_multislice.py (data over 2 slices), 1.31x with fsdp
-over slices too (2 x 2), 1.17x for Llama 3.1 8B at 8K tokens (data over 2 slices).
+tiny model's attention projections), so the compiled DCN bytes exceed this floor
+(benchmarks/RESULTS.md, "What plan shows at scale, and across slices").
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def scan_layers_by_kind(x: jax.Array, stacks: Mapping[str, nnx.State], kinds: li
     else:
         # Every step slices a layer from each stack (its own kind's, and a neighbour from
         # the others) before the switch: sliced inside a branch, each branch's gradient
-        # would be the size of the whole stacks (6.4 GB more at 256K: RESULTS.md).
+        # would be the size of the whole stacks (benchmarks/RESULTS.md, "Linear and
+        # global layers at the cost of their parts").
         whole, per_step = dict(stacks), _places_in_stacks([stack_of(kind) for kind in kinds])
 
         def layer_states(whole, places):
@@ -96,8 +97,8 @@ def scan_layer_groups(x: jax.Array, stacked: nnx.State, fn: Callable,
     `remat(fn, prevent_cse=...)` wraps a function in the policy's checkpoint. The group's
     layers are unrolled, so their own checkpoints prevent CSE: XLA would otherwise merge
     the group's recomputed forward with each layer's own recomputation in its backward and
-    keep that layer's intermediates through the next one's (33.5M tokens on v5p:4x4x4 in
-    groups of 2: 110.24 GB per chip that way, 105.72 this way)."""
+    keep that layer's intermediates through the next one's (benchmarks/RESULTS.md, "One
+    layer input in two, recomputed apart")."""
     layers = jax.tree.leaves(stacked)[0].shape[0]
     groups = layers // size
     layer = remat(fn, prevent_cse=True)

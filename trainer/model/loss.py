@@ -128,8 +128,8 @@ def _chunk_losses_forward(hidden, output_weights, targets, z_loss, chunks):
     # The backward takes the logsumexps (4 bytes a token) rather than recomputing them.
     # That also makes it wait for this scan: with nothing downstream needing the loss
     # itself, XLA scheduled the scan last, holding the final hidden states (2 GiB per chip
-    # for llama3.1-8b at 256K tokens per chip) through the layers' whole backward:
-    # recipes/llama3_8b_1m.yaml on v5p:2x2x1 compiles to 84.42 GB this way, 87.04 that way.
+    # for llama3.1-8b at 256K tokens per chip) through the layers' whole backward
+    # (benchmarks/RESULTS.md, "llama3.1-8b on 4 v5p chips, against MaxText").
     return (per_token, log_partition), (hidden, output_weights, targets, log_partition)
 
 

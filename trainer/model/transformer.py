@@ -145,9 +145,8 @@ def gradients_together(*arrays):
     Used on the MLP's input and weights: the layer's attention backward (which needs the
     input's gradient) then waits for the MLP's weight gradients. Those feed nothing else in
     the layer, so XLA otherwise schedules their matmuls after the attention backward,
-    holding the MLP's [tokens, d_ff] intermediates through it: llama3.1-8b, ring, 256K
-    tokens on v5p:2x2x1 with the layer inputs offloaded compiles to 55.36 GB per chip
-    this way, 64.35 GB that way."""
+    holding the MLP's [tokens, d_ff] intermediates through it (benchmarks/RESULTS.md,
+    "llama3.1-8b on 4 v5p chips, against MaxText")."""
     return arrays
 
 
