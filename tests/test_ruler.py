@@ -1,8 +1,8 @@
-"""RULER (eval.task ruler, eval.samples): samples of RULER's shape, the same for a seed;
-QA built from the frozen SQuAD and HotpotQA files of tests/data (made-up paragraphs in
-those files' formats) and scored string_match_part; lm-eval's and RULER's samples read;
-the effective length; and, on the copy-task model, the scores a copier must get, the same
-under every context-parallel strategy as on one device and logged during training."""
+"""RULER (eval.task ruler, eval.samples): samples of RULER's shape, the same for a seed and
+on every mesh; lm-eval's samples read; the effective length; scores logged during
+training; and, on the copy-task model, the scores a copier must get (string_match_all and
+string_match_part), the same under every context-parallel strategy as without. QA's own
+tests: test_ruler_qa.py."""
 
 import io
 import json
@@ -13,14 +13,15 @@ import pytest
 
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.trainer.data.batches import decode_tokens
-from lctrain.trainer.evaluation.ruler import (Scored, cell_score, check_eval_task,
-                                              effective_length, file_cells, generated_cells,
-                                              ruler_summary, skipped_tasks, task_names)
+from lctrain.trainer.evaluation.ruler import (effective_length, file_cells, generated_cells,
+                                              ruler_summary)
 from lctrain.trainer.evaluation.ruler_tasks import TASKS
+from lctrain.trainer.state.step import BATCH_FIELDS
 
 # Byte-level text (ASCII fits the tiny model's 128 ids): 8,192 bytes hold every task.
 GENERATED = ["eval.task=ruler", "eval.seq_len=8192", "eval.lengths=1", "data.batch_size=1"]
 NEEDLE = "One of the special magic"
+SQUAD = Path(__file__).parent / "data" / "squad_tiny.json"
 
 
 def generated(seed=0):
@@ -76,147 +77,6 @@ def test_generated_samples_have_rulers_shape_and_depend_only_on_the_seed():
         np.testing.assert_array_equal(again[task].tokens, samples[task].tokens)
         assert not np.array_equal(other[task].tokens[:len(samples[task].tokens)],
                                   samples[task].tokens[:len(other[task].tokens)])
-
-
-# ------------------------------------------------------------------------------ QA ----
-
-DATA = Path(__file__).parent / "data"
-SQUAD, HOTPOTQA = DATA / "squad_tiny.json", DATA / "hotpotqa_tiny.json"
-QA_HEAD = ("Answer the question based on the given documents. Only give me the answer and do "
-           "not output any other words.\n\nThe following are given documents.\n\n")
-QA_ANSWER_BUDGET = 32  # RULER's tokens_to_generate for qa
-
-
-def qa_samples(task, length, qa_files=(f"eval.squad={SQUAD}", f"eval.hotpotqa={HOTPOTQA}")):
-    """Four samples of `task` at `length` bytes: each a list of (prompt, [answer strings])
-    alternatives."""
-    recipe = load_recipe("tiny", [f"eval.task={task}", f"eval.seq_len={length}",
-                                  "eval.lengths=1", "data.batch_size=4", *qa_files])
-    [(_, _, samples)] = generated_cells(recipe.for_evaluation(), None, 0)
-    return [[(decode_tokens(a.tokens[:a.strings[0][0]]),
-              [decode_tokens(a.tokens[start:stop]) for start, stop in a.strings])
-             for a in sample] for sample in samples]
-
-
-def documents_of(prompt):
-    """The prompt's documents in order, once their headers are checked: Document 1, 2, ..."""
-    body = prompt[len(QA_HEAD):prompt.rindex("\n\nAnswer the question")].split("\n\n")
-    assert [d.split(":\n", 1)[0] for d in body] == [f"Document {i}" for i in range(1, len(body) + 1)]
-    return [d.split(":\n", 1)[1] for d in body]
-
-
-def test_qa_1_is_rulers_qa_from_the_squad_file():
-    """The question's paragraph, then its article's, then the rest (repeated once the file
-    fits), shuffled and numbered; filled to the length less the answer's 32 tokens; each
-    distinct answer forced on its own; never the impossible question."""
-    articles = [[p["context"] for p in a["paragraphs"]]
-                for a in json.loads(SQUAD.read_text())["data"]]
-    answerable = {qa["question"]: (p["context"], article, list(dict.fromkeys(
-        answer["text"] for answer in qa["answers"])))
-        for article, a in enumerate(json.loads(SQUAD.read_text())["data"])
-        for p in a["paragraphs"] for qa in p["qas"] if not qa["is_impossible"]}
-    assert len(answerable) == 4
-    # A document, header and separator take at most 12 + 151 + 2 bytes.
-    largest = max(len(f"Document 9:\n{p}\n\n") for article in articles for p in article)
-    for length in (1024, 4096):
-        for sample in qa_samples("qa_1", length):
-            prompt = sample[0][0]
-            paragraph, article, answers = answerable[prompt.split("Question: ")[-1][:-8]]
-            assert prompt.endswith(" Answer:") and prompt.startswith(QA_HEAD)
-            assert [alternative for _, alternative in sample] == [[f" {a}"] for a in answers]
-            assert {alternative_prompt for alternative_prompt, _ in sample} == {prompt}
-            documents = documents_of(prompt)
-            assert paragraph in documents
-            assert length - QA_ANSWER_BUDGET - largest < len(prompt) <= length - QA_ANSWER_BUDGET
-            if length == 1024:  # 4 of the 5 paragraphs fit: the article's come first
-                assert len(documents) == 4 and set(articles[article]) <= set(documents)
-            else:  # the file cycles: each paragraph n // 5 or n // 5 + 1 times
-                times = [documents.count(p) for a in articles for p in a]
-                assert sum(times) == len(documents) and max(times) - min(times) <= 1
-                assert min(times) == len(documents) // 5
-
-
-def test_qa_2_holds_every_paragraph_of_its_question_or_says_what_they_take(tmp_path):
-    """HotpotQA: all of the question's paragraphs (title, newline, sentences joined) are in
-    every sample, as RULER's; when they cannot fit, the error gives the tokens they take,
-    counted here by hand in bytes."""
-    records = json.loads(HOTPOTQA.read_text())
-    own = {r["question"]: ([f"{t}\n{''.join(s)}" for t, s in r["context"]], r["answer"])
-           for r in records}
-    for sample in qa_samples("qa_2", 1024):
-        [(prompt, strings)] = sample
-        paragraphs, answer = own[prompt.split("Question: ")[-1][:-8]]
-        assert set(paragraphs) <= set(documents_of(prompt)) and strings == [f" {answer}"]
-    one = tmp_path / "one.json"
-    one.write_text(json.dumps(records[:1]))
-    paragraphs, _ = own[records[0]["question"]]
-    needed = sum(len(f"Document {i}:\n{p}") for i, p in enumerate(paragraphs, 1)) + 2 * 3
-    tail = (f"\n\nAnswer the question based on the given documents. Only give me the answer and "
-            f"do not output any other words.\n\nQuestion: {records[0]['question']} Answer:")
-    budget = 512 - QA_ANSWER_BUDGET - len(QA_HEAD) - len(tail)
-    with pytest.raises(RecipeError, match=rf"^eval.task qa_2 at 512 tokens: the question's own "
-                                          rf"documents take {needed} tokens, more than the "
-                                          rf"{budget} its template and answer budget leave; "
-                                          rf"raise eval.seq_len or lower eval.lengths$"):
-        qa_samples("qa_2", 512, [f"eval.hotpotqa={one}"])
-
-
-def test_string_match_part_scores_a_sample_by_its_best_answer():
-    """Three samples packed four alternatives to a row: a QA sample with answers missed and
-    found scores 1, one with none found 0, a string_match_all sample with 3 of its 4
-    strings found 0.75: (1 + 0 + 0.75) / 3 = 58.33%. Each string's loss-mask id marks the
-    input that predicts its token (token p of a sample is p + 1)."""
-    def alternative(strings):
-        return Scored(np.arange(16) + 1, [(8 + 2 * i, 9 + 2 * i) for i in range(strings)])
-
-    samples = [[alternative(1), alternative(1)], [alternative(1)] * 3, [alternative(4)]]
-    found = iter([False, True, False, False, False, True, False, True, True])
-
-    def found_in(batch, strings):
-        for string in range(1, strings + 1):
-            [[_, at]] = np.argwhere(batch.loss_mask == string)
-            assert at % 16 in (7, 9, 11, 13) and batch.targets[0, at] == at % 16 + 2
-        return np.array([next(found) for _ in range(strings)])
-
-    score = cell_score(samples, found_in, seq_len=64, rows=1, length=16)
-    assert score == pytest.approx(100 * (1 + 0 + 0.75) / 3)
-    assert next(found, None) is None
-
-
-def test_qa_files_missing_unreadable_or_of_another_format_are_named(tmp_path):
-    from typer.testing import CliRunner
-
-    from lctrain.cli.main import app
-
-    missing = tmp_path / "dev-v2.0.json"
-    with pytest.raises(RecipeError, match=rf"^recipe key 'eval.squad' = '{missing}': no such "
-                                          rf"file \(looked for {missing}\); give SQuAD v2's dev "
-                                          r"json \(dev-v2.0.json\), as RULER's "):
-        load_recipe("tiny", [f"eval.squad={missing}"])
-    broken = tmp_path / "broken.json"
-    broken.write_text("{")
-    cases = [(["eval.task=qa_1", f"eval.squad={broken}"], "eval.squad", broken, "not JSON"),
-             (["eval.task=qa_1", f"eval.squad={HOTPOTQA}"], "eval.squad", HOTPOTQA,
-              r"not in its format \(TypeError"),
-             (["eval.task=qa_2", f"eval.hotpotqa={SQUAD}"], "eval.hotpotqa", SQUAD,
-              r"not in its format \(TypeError")]
-    for sets, key, path, why in cases:
-        with pytest.raises(RecipeError, match=rf"^recipe key '{key}' = '{path}': {why}"):
-            check_eval_task(load_recipe("tiny", [*sets, "eval.seq_len=1024", "eval.lengths=1"]))
-    with pytest.raises(RecipeError, match=r"^recipe key 'eval.task' = 'qa_2': RULER's qa_2 is "
-                                          r"built from a local file; set eval.hotpotqa to "
-                                          r"HotpotQA's dev distractor json"):
-        check_eval_task(load_recipe("tiny", ["eval.task=qa_2"]))
-    # Before anything compiles: one line, exit 2.
-    result = CliRunner().invoke(app, ["eval", "--run-dir", str(tmp_path), "--set",
-                                      "eval.task=qa_1", "--set", f"eval.squad={broken}"])
-    assert result.exit_code == 2
-    assert f"recipe key 'eval.squad' = '{broken}': not JSON; give SQuAD v2's dev json" in \
-        " ".join(result.output.split())
-    group = load_recipe("tiny", ["eval.task=ruler", f"eval.squad={SQUAD}"]).for_evaluation()
-    assert task_names(group)[-1] == "qa_1" and "qa_2" not in task_names(group)
-    assert skipped_tasks(group) == {"qa_2": "needs eval.hotpotqa: HotpotQA's dev distractor "
-                                            "json (hotpot_dev_distractor_v1.json)"}
 
 
 def test_a_task_longer_than_its_length_is_an_error():
@@ -280,81 +140,197 @@ def test_lm_eval_samples_are_read_with_their_answer_prefix(tmp_path):
         list(file_cells(load_recipe("tiny", [f"eval.samples={short}"]).for_evaluation()))
 
 
-def test_rulers_own_qa_samples_are_read_with_their_answer_prefix(tmp_path):
-    """RULER's qa.py writes <task>/validation.jsonl, the answer prefix in a field of its
-    own; each answer is scored after its own copy of the prompt (string_match_part)."""
-    record = {"index": 0, "input": "Document 1:\nThe tower was built in 1851.\n\nQuestion: "
-                                   "When was the tower built?",
-              "outputs": ["1851", "in 1851"], "length": 120, "answer_prefix": " Answer:"}
-    path = tmp_path / "qa_1" / "validation.jsonl"
-    path.parent.mkdir()
-    path.write_text(json.dumps(record) + "\n")
-    recipe = load_recipe("tiny", [f"eval.samples={path}", "eval.seq_len=128"])
-    [(task, length, [sample])] = file_cells(recipe.for_evaluation())
-    assert (task, length, len(sample)) == ("qa_1", 120, 2)
-    prompt = record["input"] + " Answer:"
-    for alternative, answer in zip(sample, [" 1851", " in 1851"]):
-        [(start, stop)] = alternative.strings
-        assert start == len(prompt) and decode_tokens(alternative.tokens[:start]) == prompt
-        assert decode_tokens(alternative.tokens[start:stop]) == answer
-
-
 # ------------------------------------------------------------------ the copy model ----
 
 COPY_DISTANCE = 129  # the default run's model predicts token t from token t - 129
+# Every context-parallel strategy over data 2 x context 4 (usp: Ulysses 2 x ring 2), and the
+# reference: no context parallelism.
+MESHES = {"none": ["parallel.strategy=none", "mesh.context=1"],
+          **{strategy: [f"parallel.strategy={strategy}", "mesh.context=4"]
+             for strategy in ("all_gather", "ulysses", "ring")},
+          "usp": ["parallel.strategy=usp", "mesh.context=4", "parallel.ulysses=2"]}
 
 
-def copier_sample(rng, outputs, planted, task):
-    """A 256-token sample (bytes) whose answer strings in `planted` also stand 129 tokens
-    before their place in the answer, so a copier writes those and only those."""
-    answer = "".join(f"{',' if i else ''} {value}" for i, value in enumerate(outputs))
-    prompt = list("".join(rng.choice(list("qwrtypsdfghjklzxcvbnm"), 256 - len(answer))))
-    offset = 0
+def laid_out(task, outputs):
+    """Each alternative answer as the model writes it, with its strings' spans in it: a QA
+    task's answers each alone, any other's strings after commas (docs/evaluation.md)."""
+    if task.startswith("qa"):
+        return [(f" {value}", [(0, len(value) + 1)]) for value in outputs]
+    text, spans = "", []
     for i, value in enumerate(outputs):
-        piece = f"{',' if i else ''} {value}"
-        if i in planted:
-            start = len(prompt) + offset + piece.index(" ") - COPY_DISTANCE
-            prompt[start:start + len(value) + 1] = " " + value
-        offset += len(piece)
+        text += "," if i else ""
+        spans.append((len(text), len(text) + len(value) + 1))
+        text += f" {value}"
+    return [(text, spans)]
+
+
+def copier_sample(rng, task, outputs, planted):
+    """A 256-byte sample whose strings numbered in `planted` (over all its alternatives)
+    also stand 129 bytes before their place, so a copier writes those and only those."""
+    alternatives = laid_out(task, outputs)
+    prompt = list(rng.choice(list("qwrtypsdfghjklzxcvbnm"),
+                             256 - max(len(answer) for answer, _ in alternatives)))
+    strings = [(answer, span) for answer, spans in alternatives for span in spans]
+    for index in planted:
+        answer, (start, stop) = strings[index]
+        at = len(prompt) + start - COPY_DISTANCE
+        prompt[at:at + stop - start] = answer[start:stop]
     return {"task": task, "input": "".join(prompt), "outputs": outputs, "length": 256}
 
 
 def by_hand(sample) -> float:
-    """What a copier scores: the share of strings all of whose tokens equal the token
-    129 before."""
-    text = sample["input"] + "".join(f"{',' if i else ''} {v}"
-                                     for i, v in enumerate(sample["outputs"]))
-    found, at = [], len(sample["input"])
-    for i, value in enumerate(sample["outputs"]):
-        at += 1 if i else 0
-        span = range(at, at + len(value) + 1)
-        found.append(all(text[t] == text[t - COPY_DISTANCE] for t in span))
-        at += len(value) + 1
-    return 100 * float(np.mean(found))
+    """What a copier scores: the best alternative's share of strings all of whose bytes
+    equal the byte 129 before."""
+    shares = []
+    for answer, spans in laid_out(sample["task"], sample["outputs"]):
+        text, base = sample["input"] + answer, len(sample["input"])
+        shares.append(np.mean([all(text[t] == text[t - COPY_DISTANCE]
+                                   for t in range(base + start, base + stop))
+                               for start, stop in spans]))
+    return 100 * max(shares)
 
 
-def test_the_copy_model_scores_what_a_copier_must_on_every_mesh(copy_model, tmp_path):
-    """Three tasks of one sample each, their strings planted 129 tokens back or not: a
-    copier finds 1 of 1, 2 of 4 and 0 of 3 strings. The default run's model gets exactly
-    those scores on one device and under ring attention over 4 devices x 2."""
-    from lctrain.trainer.evaluation.evaluate import evaluate
-
+def copier_file(tmp_path):
+    """(samples file, each task's score by hand): four strings per task, so every cell
+    compiles the same scorer."""
     rng = np.random.default_rng(0)
-    samples = [copier_sample(rng, ["ab12"], {0}, "one"),
-               copier_sample(rng, ["k1", "k22", "k333", "k4"], {0, 2}, "half"),
-               copier_sample(rng, ["x9", "y8", "z7"], set(), "none")]
-    expected = {sample["task"]: by_hand(sample) for sample in samples}
-    assert expected == {"one": 100.0, "half": 50.0, "none": 0.0}
+    samples = [copier_sample(rng, "one", ["ab12", "cd34", "ef56", "gh78"], {0, 1, 2, 3}),
+               copier_sample(rng, "half", ["k1", "k22", "k333", "k4"], {0, 2}),
+               copier_sample(rng, "none", ["x9", "y8", "z7", "w6"], set()),
+               copier_sample(rng, "qa_copy", ["zz9", "ab12"], {1}),
+               copier_sample(rng, "qa_copy", ["x1", "y2"], set())]
+    expected = {}
+    for sample in samples:
+        expected.setdefault(sample["task"], []).append(by_hand(sample))
     path = tmp_path / "copy.jsonl"
     path.write_text("".join(json.dumps(sample) + "\n" for sample in samples))
-    for mesh in (["parallel.strategy=none", "mesh.context=1"],
-                 ["parallel.strategy=ring", "mesh.context=4"]):
-        result = evaluate(load_recipe("tiny", [f"eval.samples={path}", "eval.batches=1",
-                                               *mesh]), copy_model[0])
-        ruler = result["ruler"]
-        assert ruler["lengths"] == [256]
-        assert {task: scores[0] for task, scores in ruler["scores"].items()} == expected, mesh
-        assert ruler["average"] == [50.0] and ruler["effective_length"] is None
+    return path, {task: float(np.mean(scores)) for task, scores in expected.items()}
+
+
+def scored_on_mesh(recipe, run_dir):
+    """(RULER's summary of the run dir's weights on the recipe's mesh, the batches it
+    scored): the RULER pass alone, without eval's loss by position."""
+    from lctrain.trainer.evaluation.evaluate import Evaluator
+    from lctrain.trainer.hf.weights import load_weights
+    from lctrain.trainer.state.build import mesh_for
+    from lctrain.trainer.state.step import build_trainable
+
+    mesh = mesh_for(recipe, evaluating=True)
+    trainable = build_trainable(recipe, mesh)
+    params, origin = load_weights(recipe, trainable, run_dir)
+    evaluator = Evaluator(recipe, mesh, trainable.graphdef)
+    batches, found = [], evaluator.found
+
+    def recorded(params, batch, strings):
+        batches.append(batch)
+        return found(params, batch, strings)
+
+    evaluator.found = recorded
+    return evaluator.ruler(params, origin), batches
+
+
+def test_every_strategy_scores_what_a_copier_must_on_the_same_samples(copy_model, tmp_path):
+    """Four tasks, their strings planted 129 bytes back or not: a copier finds 4 of 4, 2 of
+    4 and 0 of 4 strings, and one of two QA samples has an answer it writes (50). The
+    default run's model gets exactly those scores without context parallelism, and under
+    all_gather, ulysses, ring and usp the same summary from the same batches."""
+    path, expected = copier_file(tmp_path)
+    assert expected == {"one": 100.0, "half": 50.0, "none": 0.0, "qa_copy": 50.0}
+    recipe = load_recipe("tiny", [f"eval.samples={path}", *MESHES["none"]])
+    reference, reference_batches = scored_on_mesh(recipe, copy_model[0])
+    assert {task: scores for task, scores in reference["scores"].items()} == \
+        {task: [score] for task, score in expected.items()}
+    assert reference["lengths"] == [256] and reference["average"] == [50.0]
+    assert reference["effective_length"] is None
+    for strategy, mesh in MESHES.items():
+        if strategy != "none":
+            ruler, batches = scored_on_mesh(load_recipe("tiny", [f"eval.samples={path}", *mesh]),
+                                            copy_model[0])
+            assert ruler == reference, strategy
+            for ours, theirs in zip(batches, reference_batches, strict=True):
+                for field in BATCH_FIELDS:
+                    np.testing.assert_array_equal(getattr(ours, field), getattr(theirs, field))
+
+
+def tensorboard_scalars(run_dir):
+    """{(tag, step): value} of every scalar in the run dir's TensorBoard events."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars = {}
+    for path in (run_dir / "tb").glob("events.out.tfevents.*"):
+        data, offset = path.read_bytes(), 0
+        while offset + 12 <= len(data):  # TFRecords: length, its CRC, the event, its CRC
+            length = int.from_bytes(data[offset:offset + 8], "little")
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 16 + length
+            scalars.update({(value.tag, event.step): value.simple_value
+                            for value in event.summary.value})
+    return scalars
+
+
+def test_training_logs_rulers_scores_and_checks_its_samples_first(tmp_path):
+    """eval.every with a RULER task: every task's score and the average per length go to
+    metrics.jsonl and TensorBoard as eval/ruler/<task>/<length> (the averages, by hand:
+    (75 + 100) / 2 at 512, 50 alone at 1,024, where qa_1 was not scored), the averages to
+    the console; and a run whose RULER samples cannot be built stops before compiling."""
+    from rich.console import Console
+
+    from lctrain.trainer.train.metrics import MetricsWriter
+    from lctrain.trainer.train.preflight import check_run
+
+    ruler = ruler_summary({"niah_single_1": {512: (75.0, 8), 1024: (50.0, 4)},
+                           "qa_1": {512: (100.0, 8)}}, load_recipe("tiny", []))
+    console = io.StringIO()
+    writer = MetricsWriter(tmp_path, True, Console(file=console, width=300))
+    writer.write_eval(4, {"loss": 1.0, "perplexity": 2.7, "accuracy": 0.5, "tokens": 10,
+                          "ruler": ruler})
+    writer.close()
+    [logged] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    expected = {"eval/ruler/niah_single_1/512": 75.0, "eval/ruler/niah_single_1/1024": 50.0,
+                "eval/ruler/qa_1/512": 100.0, "eval/ruler/average/512": 87.5,
+                "eval/ruler/average/1024": 50.0}
+    assert {name: value for name, value in logged.items() if "ruler" in name} == expected
+    scalars = tensorboard_scalars(tmp_path)
+    assert {name: scalars[name, 4] for name in expected} == expected
+    assert "| RULER at 512: 87.5 | RULER at 1024: 50.0" in console.getvalue()
+
+    with pytest.raises(RecipeError, match=r"^eval.task niah_single_1 at 256 tokens: its "
+                                          r"template and answer budget take 4\d\d tokens"):
+        check_run(load_recipe("tiny", ["eval.every=2", "eval.task=niah_single_1",
+                                       "eval.lengths=1"]), tmp_path)
+    broken = tmp_path / "broken.json"
+    broken.write_text("[")
+    with pytest.raises(RecipeError, match=rf"^recipe key 'eval.squad' = '{broken}': not JSON"):
+        check_run(load_recipe("tiny", ["eval.every=2", "eval.task=ruler", "eval.seq_len=8192",
+                                       "eval.lengths=1", f"eval.squad={broken}"]), tmp_path)
+
+
+def test_generated_samples_are_the_same_on_every_mesh(tmp_path):
+    """The samples a seed gives depend on no mesh: qa_1 and niah_single_2 (its essay from a
+    token file, rows of it by sample) built under each strategy's recipe equal those built
+    without context parallelism: 8 samples each (8 rows of one 1,024-token sample)."""
+    from lctrain.trainer.data.sources import make_source
+
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(32, 127, 20_000).astype(np.int32))
+
+    def samples(task, mesh):
+        recipe = load_recipe("tiny", [f"eval.task={task}", f"eval.source={tokens}",
+                                      "eval.seq_len=1024", "eval.lengths=1",
+                                      f"eval.squad={SQUAD}", *mesh]).for_evaluation()
+        source = make_source(recipe.data, vocab=128, seed=recipe.train.seed, split="eval")
+        [(_, _, cell)] = generated_cells(recipe, source, recipe.train.seed)
+        return [[alternative.tokens for alternative in sample] for sample in cell]
+
+    for task in ("qa_1", "niah_single_2"):
+        reference = samples(task, MESHES["none"])
+        assert len(reference) == 8
+        for strategy, mesh in MESHES.items():
+            built = samples(task, mesh)
+            assert [len(sample) for sample in built] == [len(sample) for sample in reference]
+            for ours, theirs in zip(built, reference):
+                for ours_tokens, theirs_tokens in zip(ours, theirs):
+                    np.testing.assert_array_equal(ours_tokens, theirs_tokens, err_msg=strategy)
 
 
 def test_ruler_table_and_picture(tmp_path):

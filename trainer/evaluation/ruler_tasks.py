@@ -21,7 +21,6 @@ RULER's (synthetic.yaml). Where every task differs from RULER's generator, and w
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 

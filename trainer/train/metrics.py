@@ -61,21 +61,36 @@ class MetricsWriter:
                   for name in ("loss", "perplexity", "accuracy", "tokens")}
         if "retrieval" in result:
             record[f"eval/{result['retrieval']['task']}_accuracy"] = result["retrieval"]["mean"]
+        if "ruler" in result:
+            record.update(ruler_metrics(result["ruler"]))
         self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
         self.jsonl.flush()
         for name, value in record.items():
             self.tensorboard.add_scalar(name, value, step)
         retrieval = "".join(f" | {name[5:]} {value:.3f}" for name, value in record.items()
                             if name.endswith("_accuracy"))
+        # The whole table would not fit a line: the console gets the average per length.
+        ruler = "".join(f" | RULER at {name.rpartition('/')[2]}: {value:.1f}"
+                        for name, value in record.items()
+                        if name.startswith("eval/ruler/average/"))
         self.console.print(f"eval at step {step} | loss {record['eval/loss']:.4f} | "
                            f"perplexity {record['eval/perplexity']:.2f} | accuracy "
                            f"{record['eval/accuracy']:.3f} | {int(record['eval/tokens']):,} "
-                           f"held-out tokens{retrieval}", soft_wrap=True)
+                           f"held-out tokens{retrieval}{ruler}", soft_wrap=True)
 
     def close(self) -> None:
         if self.enabled:
             self.jsonl.close()
             self.tensorboard.close()
+
+
+def ruler_metrics(ruler: dict) -> dict[str, float]:
+    """RULER's scores (evaluation/ruler.py's ruler_summary) as metrics: eval/ruler/<task>/
+    <length> and eval/ruler/average/<length>, in percent; a cell not scored is left out."""
+    rows = {**ruler["scores"], "average": ruler["average"]}
+    return {f"eval/ruler/{task}/{length}": float(score)
+            for task, scores in rows.items()
+            for length, score in zip(ruler["lengths"], scores) if score is not None}
 
 
 def _cut_back(path: Path, last_step: int) -> None:
