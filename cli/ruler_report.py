@@ -26,7 +26,7 @@ def render_ruler(ruler: dict, console: Console) -> None:
     """One task per row, one length per column (stacked when the terminal is narrow)."""
     lengths = ruler["lengths"]
     title = (f"RULER ({ruler['source']}): score (%) by task (rows) and length (columns, "
-             f"tokens), teacher-forced string_match_all")
+             f"tokens), teacher-forced string_match_all (QA: string_match_part)")
 
     def table_of(columns: list[int], first: bool) -> Table:
         # The title goes above (a one-length table is too narrow for it).

@@ -103,6 +103,7 @@ READERS = {"qa_1": read_squad, "qa_2": read_hotpotqa}
 
 
 def qa_path(task: str, recipe: Recipe) -> str | None:
+    """The file eval.squad or eval.hotpotqa names for the task; None when not given."""
     return getattr(recipe.eval, QA_FILES[task][0])
 
 
@@ -114,7 +115,7 @@ def load_qa(task: str, recipe: Recipe) -> QaFile:
         return _read_qa(task, str(path.absolute()), path.stat().st_mtime_ns)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         key, dataset = QA_FILES[task]
-        why = ("not JSON" if isinstance(error, json.JSONDecodeError)
+        why = ("not JSON" if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError))
                else f"unreadable ({error.strerror})" if isinstance(error, OSError)
                else "no answerable question" if isinstance(error, RecipeError)
                else f"not in its format ({type(error).__name__}: {error})")
@@ -124,7 +125,7 @@ def load_qa(task: str, recipe: Recipe) -> QaFile:
 
 @functools.lru_cache(maxsize=2)
 def _read_qa(task: str, path: str, mtime_ns: int) -> QaFile:
-    with open(path) as file:
+    with open(path, encoding="utf-8") as file:
         qa_file = READERS[task](json.load(file))
     if not qa_file.questions:
         raise RecipeError("no answerable question")
