@@ -17,9 +17,9 @@ Sections (each prints its rows as it goes; --json writes them after every row):
   two steps (a checkpoint included) at each of its lengths (REMATS, or --max-seq-lens) in
   its own process, until one fails; the longest that ran is the figure `lctrain plan --max-seq` must come within
   10% of, and never above.
-- mfu: benchmarks/step.py's rows, full remat: "1b-h128" (recipes/one_chip.yaml's model)
-  and Llama 3.2 1B's shape, each with 4 of its 16 layers (the whole 1B with f32 AdamW
-  needs ~20 GB, more than a v5e has).
+- mfu: benchmarks/step.py's rows (full remat unless --set says otherwise) of --mfu-models:
+  "1b-h128" (recipes/one_chip.yaml's model) and Llama 3.2 1B's shape by default, each with
+  4 of its 16 layers (the whole 1B with f32 AdamW does not fit a v5e).
 
 Without a TPU it says so and exits 0.
 """
@@ -49,15 +49,16 @@ BLOCKS = {"pallas": [(512, 512), (1024, 1024), (1024, 512), (512, 1024), (2048, 
                      (512, 2048)],
           "splash": [(512, 512), (1024, 1024)]}
 # recipes/one_chip.yaml under each remat the fit rule must hold for, and the lengths to
-# try, ascending: around the edge a v5e showed (benchmarks/data/tpu_v5e_2026-12-07.json)
+# try, ascending: around where the compiler for v5e:1x1 (the chip's own compile, the same
+# figures) accepts and refuses them (benchmarks/RESULTS.md, "One v5e chip")
 REMATS = {
     "full": (["remat.policy=full", "remat.tensors={}", "remat.mlp_chunk_tokens=0"],
-             [65536, 73728]),
-    "offload": ([], [98304, 106496, 114688]),
+             [65536, 69632, 73728]),
+    "offload": ([], [98304, 114688, 131072]),
     "offload_groups_of_2_narrow": (
         ["remat.layers_per_checkpoint=2", "model.layers=8", "model.d_model=1024",
          "model.n_heads=16", "model.n_kv_heads=8", "model.head_dim=64", "model.d_ff=4096"],
-        [196608, 262144, 327680]),
+        [262144, 327680, 393216]),
 }
 RUN_TIMEOUT_S = 300
 IN_CHILDREN = ("run", "max_seq")
@@ -134,7 +135,7 @@ def max_seq(args, emit) -> None:
 
 
 def mfu(args, emit) -> None:
-    for model in ("1b-h128", "1b"):
+    for model in args.mfu_models:
         for seq_len in args.mfu_seq_lens:
             emit(step.time_steps(model, seq_len, 3, ["model.layers=4", *args.sets]))
 
@@ -146,6 +147,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seq-recipes", nargs="+", default=list(REMATS), choices=REMATS)
     parser.add_argument("--max-seq-lens", type=int, nargs="+", default=None,
                         help="lengths to try for every remat (default: REMATS' own)")
+    parser.add_argument("--mfu-models", nargs="+", default=["1b-h128", "1b"],
+                        choices=step.MODELS)
     parser.add_argument("--mfu-seq-lens", type=int, nargs="+", default=[8192, 32768, 65536])
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         metavar="KEY=VALUE", help="recipe override for the mfu rows")

@@ -83,6 +83,11 @@ class CompiledStats:
     dcn_collective_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # While loops whose trip count could not be read (counted as running once).
     unknown_trip_counts: int = 0
+    # XLA's peak (memory_analysis().peak_memory_in_bytes): what libtpu checks against the
+    # chip's HBM. Of a long-context step it is less than the buffers' sum (hbm_bytes), whose
+    # temporaries are never all alive together (benchmarks/RESULTS.md, "One v5e chip"); of
+    # a small program more, with the runtime's own share. 0 where XLA gives none.
+    peak_bytes: int = 0
 
     @property
     def hbm_bytes(self) -> int:
@@ -109,7 +114,8 @@ def memory_stats(compiled) -> CompiledStats:
         host_temp_bytes=memory.host_temp_size_in_bytes,
         host_argument_bytes=memory.host_argument_size_in_bytes,
         generated_code_bytes=memory.generated_code_size_in_bytes,
-        collective_bytes={})
+        collective_bytes={},
+        peak_bytes=getattr(memory, "peak_memory_in_bytes", 0) or 0)
 
 
 def compiled_stats(compiled) -> CompiledStats:

@@ -77,7 +77,8 @@ def compile_figures(recipe: Recipe, devices, compile_step: CompileStep) -> dict:
     return {"hbm_bytes": stats.hbm_bytes,
             "host_bytes": stats.host_temp_bytes + stats.host_argument_bytes,
             "collective_bytes": dict(stats.collective_bytes),
-            "temp_bytes": stats.temp_bytes, "argument_bytes": stats.argument_bytes}
+            "temp_bytes": stats.temp_bytes, "argument_bytes": stats.argument_bytes,
+            "peak_bytes": stats.peak_bytes}
 
 
 def compiled_fits(figures: dict, chip: Chip) -> bool:

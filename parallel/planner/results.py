@@ -142,6 +142,7 @@ class StrategyPlan:
             "comm_gap_percent": (gap_percent(self.comm_bytes,
                                              sum(c["collective_bytes"].values()))
                                  if c.get("collective_bytes") else None),
+            "compiled_peak_bytes_per_device": c.get("peak_bytes"),
             "compiled_fits": fits_as_compiled(hbm, host, self.host_capacity),
             "compile_error": c.get("error"),
         }
@@ -150,11 +151,12 @@ class StrategyPlan:
 def fits_as_compiled(hbm_bytes: float | None, host_bytes: float | None,
                      host_capacity: float) -> bool:
     """Whether a program XLA compiled for a TPU fits the chip. libtpu refuses a program
-    whose buffers exceed the chip's HBM (RESOURCE_EXHAUSTED, no figures), so having a
-    figure means it fits. The figure, memory_analysis()'s sum of arguments, outputs and
-    temporaries (what MaxText prints too), is not compared with the HBM: its temporaries
-    count more than the chip reserves for them, and steps whose sum was up to 17% above a
-    v5e's HBM ran on it (docs/memory.md). Host memory, which nothing else checks, is."""
+    whose peak (memory_analysis().peak_memory_in_bytes) exceeds the chip's HBM less
+    chips.LOAD_RESERVE_BYTES (RESOURCE_EXHAUSTED, no figures), so having a figure means it
+    fits. The figure compared with the estimate, memory_analysis()'s sum of arguments,
+    outputs and temporaries (what MaxText prints too), is larger than that peak: its
+    temporaries include buffers never alive together. Host memory, which nothing else
+    checks, is checked here."""
     return hbm_bytes is not None and (host_bytes or 0) <= host_capacity
 
 

@@ -67,10 +67,9 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
     platform = devices[0].platform
     if memory_limit is None and platform in ("tpu", "gpu"):
         memory_limit = allocator_limit(devices) or device_memory_bytes(devices)
-    # On a TPU the compiler is the check: libtpu refuses a program whose buffers exceed HBM
-    # less what loading it needs (chips.LOAD_RESERVE_BYTES), and the compiled figure
-    # (memory_analysis()'s sum) overstates what the chip holds
-    # (parallel/planner/results.fits_as_compiled). A GPU's compiler checks nothing.
+    # On a TPU the compiler is the check: libtpu refuses a program whose peak exceeds HBM
+    # less what loading it needs (chips.LOAD_RESERVE_BYTES). A GPU's compiler checks
+    # nothing.
     compared_limit = None if platform == "tpu" else memory_limit
 
     def compile_candidate(strategy: str, ulysses: int) -> tuple[CompiledRun | None,
@@ -151,10 +150,12 @@ def print_lines(console: Console | None, lines) -> None:
 
 
 def compiled_need(name: str, compiled: jax.stages.Compiled) -> CompiledNeed:
-    """XLA's per-device memory of a compiled program, read as `lctrain plan --compile` reads
-    it (CompiledStats.hbm_bytes)."""
+    """XLA's per-device memory of a compiled program: the most it holds at once where XLA
+    says (CompiledStats.peak_bytes, what the TPU compiler checked against HBM), else its
+    buffers' sum."""
     stats = memory_stats(compiled)
-    return CompiledNeed(name, stats.hbm_bytes, stats.host_temp_bytes + stats.host_argument_bytes)
+    return CompiledNeed(name, stats.peak_bytes or stats.hbm_bytes,
+                        stats.host_temp_bytes + stats.host_argument_bytes)
 
 
 def device_batch(source: DataSource, index: int, order: np.ndarray | None,
