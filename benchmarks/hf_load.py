@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from lctrain.cli.common import fake_cpu_device_flags  # imports no jax
+from lctrain.trainer.train.runtime import fake_cpu_device_flags  # imports no jax
 
 os.environ["XLA_FLAGS"] = fake_cpu_device_flags(8)
 os.environ["JAX_PLATFORMS"] = "cpu"

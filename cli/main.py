@@ -14,10 +14,11 @@ from typing import Optional
 import typer
 
 from lctrain.recipes import RecipeError, load_recipe, named_strategy
+from lctrain.trainer.train.runtime import start
 
 from . import models, tokenize  # noqa: F401  registers their commands
 from .common import (COORDINATOR, DEBUG, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
-                     default_run_dir, error_console, fail, start, versions_line, wide_console)
+                     default_run_dir, error_console, fail, versions_line, wide_console)
 
 
 def _print_version(asked: bool) -> None:

@@ -14,9 +14,10 @@ from lctrain.trainer.data.checks import check_data
 from lctrain.trainer.data.provenance import (check_against_record, read_record, run_init_folder,
                                              shipped_tokenizer)
 from lctrain.trainer.outputs.files import check_target, kept_for_run
+from lctrain.trainer.train.runtime import start
 
 from .common import (COORDINATOR, NUM_PROCESSES, PROCESS_ID, SETS, app, attempt, console,
-                     default_run_dir, error_console, fail, start, wide_console)
+                     default_run_dir, error_console, fail, wide_console)
 from .eval_report import render_table, write_outputs
 
 DTYPES = ("bfloat16", "float32")

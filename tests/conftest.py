@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lctrain.cli.common import fake_cpu_device_flags  # imports no jax
+from lctrain.trainer.train.runtime import fake_cpu_device_flags  # imports no jax
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {fake_cpu_device_flags(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

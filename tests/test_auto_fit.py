@@ -19,8 +19,8 @@ from lctrain.trainer.train import loop
 
 # Two devices, one layer, 128 tokens: a compile takes seconds on CPU. Auto's ranking is
 # all_gather, ulysses, ring; which of the last two needs less than all_gather on CPU depends
-# on XLA:CPU's schedule, which differs between jax releases (cli/common.fake_cpu_device_flags),
-# so the test takes the first of them that fits.
+# on XLA:CPU's schedule, which differs between jax releases
+# (trainer/train/runtime.fake_cpu_device_flags), so the test takes the first of them that fits.
 SMALL = ["parallel.strategy=auto", "mesh.context=2", "mesh.data=1", "data.seq_len=128",
          "data.batch_size=1", "model.layers=1", "train.steps=1", "train.warmup_steps=1",
          "checkpoint.every=0"]

@@ -14,8 +14,8 @@ where the layer loop of one iteration is inlined and the recomputed forward of t
 backward is independent of the first forward.
 
 XLA:CPU's concurrency-optimized scheduler is what lets those two forwards interleave on
-jax 0.12. Turned off there (cli/common.fake_cpu_device_flags, used by the tests and
-`runtime.cpu_devices`), jax 0.12 runs the repro below bit-identical every time. On jax
+jax 0.12. Turned off there (trainer/train/runtime.fake_cpu_device_flags, used by the tests
+and `runtime.cpu_devices`), jax 0.12 runs the repro below bit-identical every time. On jax
 0.10 turning it off breaks other rings, so the flag is not set and the repro fails: its
 first step's loss differs from the same step's repeats (or is NaN), or the process dies
 (6 runs in 6 on two loaded cores; it has also deadlocked, two devices in an all-gather and
@@ -29,7 +29,7 @@ import sys
 
 import pytest
 
-from lctrain.cli.common import fake_cpu_device_flags, jaxlib_at_least
+from lctrain.trainer.train.runtime import fake_cpu_device_flags, jaxlib_at_least
 from subprocess_env import subprocess_env
 
 REPEATS = 4

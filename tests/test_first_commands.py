@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from lctrain.cli import common
+from lctrain.trainer.train import runtime
 from lctrain.cli.main import app
 from lctrain.recipes import RecipeError, check_against_devices, load_recipe
 
@@ -21,20 +21,20 @@ from lctrain.recipes import RecipeError, check_against_devices, load_recipe
 
 def test_accelerator_needs_its_device_node_and_its_jax_module(tmp_path):
     tpu_and_gpu = {"libtpu", "jax_cuda12_plugin"}
-    assert common.accelerator_module(tmp_path, tpu_and_gpu) is None
+    assert runtime.accelerator_module(tmp_path, tpu_and_gpu) is None
     (tmp_path / "vfio").mkdir()
     (tmp_path / "vfio" / "vfio").touch()    # VFIO's control node: any host may have it
-    assert common.accelerator_module(tmp_path, tpu_and_gpu) is None
+    assert runtime.accelerator_module(tmp_path, tpu_and_gpu) is None
     (tmp_path / "vfio" / "0").touch()       # a TPU v5e/v5p/v6e chip
-    assert common.accelerator_module(tmp_path, tpu_and_gpu) == "libtpu"
-    assert common.accelerator_module(tmp_path, {"jax_cuda12_plugin"}) is None  # no libtpu
+    assert runtime.accelerator_module(tmp_path, tpu_and_gpu) == "libtpu"
+    assert runtime.accelerator_module(tmp_path, {"jax_cuda12_plugin"}) is None  # no libtpu
     (tmp_path / "nvidia0").touch()
-    assert common.accelerator_module(tmp_path, {"jax_cuda12_plugin"}) == "jax_cuda"
-    assert common.accelerator_module(tmp_path, set()) is None  # CPU-only jax
+    assert runtime.accelerator_module(tmp_path, {"jax_cuda12_plugin"}) == "jax_cuda"
+    assert runtime.accelerator_module(tmp_path, set()) is None  # CPU-only jax
     accel = tmp_path / "v4"
     accel.mkdir()
     (accel / "accel0").touch()              # a TPU v4 chip
-    assert common.accelerator_module(accel, {"libtpu"}) == "libtpu"
+    assert runtime.accelerator_module(accel, {"libtpu"}) == "libtpu"
 
 
 @pytest.mark.parametrize("platforms, accelerator, count", [
@@ -46,9 +46,9 @@ def test_auto_fakes_eight_cpu_devices_only_where_jax_finds_no_accelerator(
         monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     else:
         monkeypatch.setenv("JAX_PLATFORMS", platforms)
-    monkeypatch.setattr(common, "accelerator_module", lambda: accelerator)
-    assert common.fake_cpu_device_count("auto") == count
-    assert common.fake_cpu_device_count(4) == 4 and common.fake_cpu_device_count(0) == 0
+    monkeypatch.setattr(runtime, "accelerator_module", lambda: accelerator)
+    assert runtime.fake_cpu_device_count("auto") == count
+    assert runtime.fake_cpu_device_count(4) == 4 and runtime.fake_cpu_device_count(0) == 0
 
 
 def test_default_recipe_on_one_device_names_a_fix_that_works():

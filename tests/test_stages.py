@@ -28,7 +28,7 @@ from lctrain.trainer.train.loop import train
 # Two layers: with one, XLA inlines the layer loop and XLA:CPU of jax 0.10 can run two ring
 # forwards side by side, whose permutes meet across devices (tests/test_cpu_collectives.py).
 # Stage 2 is the quickstart's shape (ring, data 2 x context 4, full remat), whose gradients
-# were NaN on jax 0.12 until cli/common.fake_cpu_device_flags turned XLA:CPU's
+# were NaN on jax 0.12 until trainer/train/runtime.fake_cpu_device_flags turned XLA:CPU's
 # concurrency-optimized scheduler off there.
 COMMON = ["model.layers=2", "runtime.log_every=1", "checkpoint.every=1"]
 STAGE1 = [*COMMON, "data.seq_len=256", "data.batch_size=8", "mesh.context=1", "train.steps=2"]

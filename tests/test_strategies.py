@@ -198,8 +198,8 @@ def test_ring_at_the_quickstart_shape_matches_single_device(splash_reference):
     """The quickstart's shape: ring on data 2 x context 4 under full remat, 256 tokens and
     one KV block per shard. On jax 0.12 its gradients were off by up to 0.33, or NaN, from
     call to call until the fake CPU devices turned XLA:CPU's concurrency-optimized
-    scheduler off (cli/common.fake_cpu_device_flags); the 64-token cases above never
-    showed it."""
+    scheduler off (trainer/train/runtime.fake_cpu_device_flags); the 64-token cases above
+    never showed it."""
     recipe = recipe_for("ring", MESHES["data2_context4"], 2, seq=SPLASH_SEQ,
                         extra=["remat.policy=full", "attention.block_kv=256"])
     assert_matches(splash_reference, *loss_and_grads(recipe, jax.devices()))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kernel_harness import KernelCase, kernel_call_names
-from lctrain.cli.common import jaxlib_at_least
+from lctrain.trainer.train.runtime import jaxlib_at_least
 from lctrain.kernels import triton
 from lctrain.parallel import STRATEGIES, attention_kernels
 from lctrain.recipes import load_recipe
