@@ -112,77 +112,108 @@ def plan(
     the recipe's own first, and a recommendation (per device: a TPU7x chip is two). A
     recipe's own strategy that fits stays the recommendation unless another's estimated
     step is faster by the estimate's error (15%) or more."""
-    import json
+    from lctrain.parallel import planner
 
-    from lctrain.parallel import chips, planner
-    from lctrain.recipes import check_against_devices
+    own, loaded, chip = _recipe_and_chip(recipe, set_, topology)
+    sizes = _mesh_sizes(loaded, topology, slices, chip)
+    result = planner.plan(loaded, chip, sizes, chip.platform)
+    devices = None
+    if compile_:
+        if chip.platform != "tpu":
+            fail(f"--compile needs a TPU topology (libtpu), got '{topology}'")
+        devices = _attach_compiled(result, loaded, topology, slices, no_cache)
+    longest = (planner.longest_sequences(result, loaded, chip.platform, devices,
+                                         _compile_train_step() if compile_ else None,
+                                         _compile_timer, use_cache=not no_cache)
+               if max_seq else None)
+    own_line = (planner.against_recipe(result, own)
+                if isinstance(own, str) and own not in ("auto", "none") else None)
+    if as_json:
+        _print_plan_json(result, own, own_line, longest)
+        return
+    from .plan_render import plan_title, render, render_max_seq
+
+    wide = wide_console()
+    render(result, wide, own_line, title=plan_title(loaded, topology, slices, sizes))
+    if max_seq:
+        render_max_seq(longest, wide)
+
+
+def _recipe_and_chip(recipe: Optional[str], sets: list[str], topology: str):
+    """The recipe's own strategy, the recipe to plan and one device's share of the chip.
+
+    The plan weighs every strategy, so the recipe's own choice must not rule out a context
+    axis (strategy 'none' would): the recipe's strategy is shown first instead. A map of
+    layer kinds given with --set stays (it may fix some kinds)."""
+    from lctrain.parallel import chips
 
     try:
-        # The plan weighs every strategy, so the recipe's own choice must not rule out a
-        # context axis (strategy 'none' would): the recipe's strategy is shown first
-        # instead. A map of layer kinds given with --set stays (it may fix some kinds).
-        own = named_strategy(recipe, set_)
+        own = named_strategy(recipe, sets)
         weigh_all = ["parallel.strategy=auto"]
-        loaded = load_recipe(recipe, [*weigh_all, *set_,
+        loaded = load_recipe(recipe, [*weigh_all, *sets,
                                       *(weigh_all if isinstance(own, str) else [])])
-        chip = chips.chip_named(topology).per_device()
+        return own, loaded, chips.chip_named(topology).per_device()
     except (RecipeError, ValueError) as err:
         fail(str(err))
+
+
+def _mesh_sizes(loaded, topology: str, slices: int, chip) -> dict[str, int]:
+    """The recipe's mesh on `slices` slices of `topology`; fails with one line when the
+    topology, its slices or the mesh do not go together."""
+    from lctrain.parallel import chips
+    from lctrain.recipes import check_against_devices
+
     try:
         count = chips.topology_device_count(topology) * slices
     except (ValueError, IndexError):
         fail(f"--topology '{topology}' must look like chip:AxBxC, e.g. v5p:4x4x4")
     if slices > 1 and chip.dcn_bytes_per_s is None:
         fail(f"--slices {slices}: no data-center network bandwidth is known for {chip.name} "
-             f"(parallel/chips.py); plan one slice, or a v5e, v5p, v6e or tpu7x topology")
+             f"(parallel/chips.py); plan one slice, or a {chips.multi_slice_chips()} topology")
     try:
-        sizes = check_against_devices(loaded, count, slices)
+        return check_against_devices(loaded, count, slices)
     except RecipeError as err:
         fail(str(err))
-    platform = "gpu" if chip.name in ("h100", "h200") else "tpu"
+
+
+def _compile_timer(label: str):
+    """Times one compile on stderr, so --json's stdout stays JSON."""
     from lctrain.trainer.outputs.progress import timed
 
-    def compile_timer(label: str):
-        return timed(error_console, label)
+    return timed(error_console, label)
 
-    result = planner.plan(loaded, chip, sizes, platform)
-    devices = None
-    if compile_:
-        if platform != "tpu":
-            fail(f"--compile needs a TPU topology (libtpu), got '{topology}'")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        from lctrain.parallel import aot
-        from lctrain.trainer.state.build import compile_train_step
-        try:
-            devices = aot.topology_devices(topology, slices)
-        except (RuntimeError, ValueError) as err:
-            fail(str(err))
-        planner.attach_compiled(
-            result, loaded, devices, compile_train_step, timed=compile_timer,
-            use_cache=not no_cache,
-            make_devices=functools.partial(aot.topology_devices, topology, slices))
-    longest = (planner.longest_sequences(result, loaded, platform, devices,
-                                         compile_train_step if compile_ else None,
-                                         compile_timer, use_cache=not no_cache)
-               if max_seq else {})
-    own_line = (planner.against_recipe(result, own)
-                if isinstance(own, str) and own not in ("auto", "none") else None)
-    if as_json:
-        out = {**result.as_json(), "recipe_strategy": own, "against_recipe": own_line}
-        if max_seq:
-            out["max_seq_len"] = longest
-        typer.echo(json.dumps(out, indent=2))
-        return
-    from .plan_render import render, render_max_seq
 
-    wide = wide_console()
-    where = topology + (f" x {slices} slices, dcn {loaded.mesh.dcn_sizes()}"
-                        if slices > 1 else "")
-    render(result, wide, own_line, title=f"{loaded.model.name}, seq {loaded.data.seq_len:,}, "
-                                f"batch {loaded.data.batch_size}, {where}, "
-                                f"mesh {sizes}, remat {loaded.remat.policy}")
-    if max_seq:
-        render_max_seq(longest, wide)
+def _compile_train_step():
+    """The trainer's compile, imported only when a plan compiles: it imports jax."""
+    from lctrain.trainer.state.build import compile_train_step
+
+    return compile_train_step
+
+
+def _attach_compiled(result, loaded, topology: str, slices: int, no_cache: bool):
+    """XLA's figures for every strategy, compiled ahead of time for the topology (libtpu on
+    this machine's CPU); returns the topology's devices."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from lctrain.parallel import aot, planner
+
+    try:
+        devices = aot.topology_devices(topology, slices)
+    except (RuntimeError, ValueError) as err:
+        fail(str(err))
+    planner.attach_compiled(
+        result, loaded, devices, _compile_train_step(), timed=_compile_timer,
+        use_cache=not no_cache,
+        make_devices=functools.partial(aot.topology_devices, topology, slices))
+    return devices
+
+
+def _print_plan_json(result, own, own_line: str | None, longest: dict | None) -> None:
+    import json
+
+    out = {**result.as_json(), "recipe_strategy": own, "against_recipe": own_line}
+    if longest is not None:
+        out["max_seq_len"] = longest
+    typer.echo(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,14 @@ def _seconds(x: float) -> str:
     return f"{x * 1e3:,.1f} ms" if x >= 1e-3 else f"{x * 1e6:,.0f} us"
 
 
+def plan_title(loaded, topology: str, slices: int, sizes: dict[str, int]) -> str:
+    """The table's title: the model, its sequence and batch, the devices and the mesh."""
+    where = topology + (f" x {slices} slices, dcn {loaded.mesh.dcn_sizes()}"
+                        if slices > 1 else "")
+    return (f"{loaded.model.name}, seq {loaded.data.seq_len:,}, batch {loaded.data.batch_size}, "
+            f"{where}, mesh {sizes}, remat {loaded.remat.policy}")
+
+
 def render(result: Plan, console, own_line: str | None = None, title: str = "") -> None:
     """The plan as a rich table, one row per strategy (the recipe's own first, where
     `own_line` compares it with the recommendation), then the recommendation. A table

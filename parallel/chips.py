@@ -54,6 +54,7 @@ class Chip:
     hbm_bytes_per_s: float = 0.0   # HBM bandwidth (the planner's memory-bound work)
     devices_per_chip: int = 1      # JAX devices one chip appears as
     dcn_bytes_per_s: float | None = None  # the chip's share of the host's DCN bandwidth
+    platform: str = "tpu"          # jax's platform name for this chip's devices
 
     def per_device(self) -> Chip:
         """The share of one JAX device: the chip itself unless it shows as several."""
@@ -77,8 +78,10 @@ CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
          dcn_bytes_per_s=100 * GBIT),
     Chip("tpu7x", 192 * GB, 2307e12, 150e9, 6, 180 * GB, ("TPU7x", "TPU 7x"), 7380 * GB, 2,
          dcn_bytes_per_s=100 * GBIT),
-    Chip("h100", 80 * GB, 989e12, 450e9, 1, 250 * GB, ("H100",), 3350 * GB),
-    Chip("h200", 141 * GB, 989e12, 450e9, 1, 250 * GB, ("H200",), 4800 * GB),
+    Chip("h100", 80 * GB, 989e12, 450e9, 1, 250 * GB, ("H100",), 3350 * GB,
+         platform="gpu"),
+    Chip("h200", 141 * GB, 989e12, 450e9, 1, 250 * GB, ("H200",), 4800 * GB,
+         platform="gpu"),
 )}
 
 
@@ -105,6 +108,12 @@ def chip_named(name: str) -> Chip:
     if key not in CHIPS:
         raise ValueError(f"unknown chip '{name}'; known: {', '.join(CHIPS)}")
     return CHIPS[key]
+
+
+def multi_slice_chips() -> str:
+    """'v5e, v5p, v6e or tpu7x': the chips whose slices a plan can join (a DCN figure)."""
+    names = [chip.name for chip in CHIPS.values() if chip.dcn_bytes_per_s is not None]
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def chip_for_device_kind(device_kind: str) -> Chip | None:
