@@ -1,7 +1,9 @@
 """Eight fake CPU devices for every test; must run before jax is imported anywhere."""
 
+import atexit
 import builtins
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -15,6 +17,24 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiled-figure cache (parallel/planner/compiled.py): a fresh one per test process, so no
 # test reads figures an earlier run left in ~/.cache.
 os.environ["LCTRAIN_CACHE"] = tempfile.mkdtemp(prefix="lctrain-test-cache-")
+
+
+def share_one_compilation_cache() -> None:
+    """One persistent JAX compilation cache for the whole test run: the pytest-xdist
+    workers inherit the folder the first process (the controller) made, and so do the
+    lctrain processes tests start (tests/subprocess_env.py). Tests that build the same
+    program again (a module fixture in both workers, every `lctrain run` of the tiny
+    recipe, a restart after a kill) load it instead of compiling it. Fresh per run, so no
+    test reads what an earlier run left; removed by the process that made it."""
+    if "LCTRAIN_TEST_COMPILE_CACHE" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="lctrain-test-jax-cache-")
+        os.environ["LCTRAIN_TEST_COMPILE_CACHE"] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["LCTRAIN_TEST_COMPILE_CACHE"]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+
+share_one_compilation_cache()
 
 # `python -m pytest` from the repo root puts the root on sys.path, where our kernels/ folder
 # shadows Hugging Face's `kernels` package that transformers looks for; lctrain itself is

@@ -1,5 +1,6 @@
 """What several test modules build the same way: the planner's pinned tiny model, the
-command line of `lctrain run` in a process of its own, and closeness of arrays."""
+command line of `lctrain run` in a process of its own, closeness of arrays, and the mark
+that keeps tests sharing work on one pytest-xdist worker."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import pytest
 
 from lctrain.recipes import Recipe, load_recipe
 
@@ -16,6 +18,13 @@ from lctrain.recipes import Recipe, load_recipe
 TINY_MODEL = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_heads=8",
               "model.n_kv_heads=2", "model.d_ff=384", "model.vocab=128",
               "model.dtype=bfloat16", "data.seq_len=4096", "attention.impl=xla")
+
+
+def one_worker(group: str) -> pytest.MarkDecorator:
+    """Runs the tests marked with `group` in one pytest-xdist worker (pyproject.toml:
+    --dist=loadgroup), so that what they share, a compiled case (a functools.cache) or a
+    module fixture's training, is done once, not once per worker."""
+    return pytest.mark.xdist_group(group)
 
 
 def tiny_recipe(settings: Sequence[str], *extra: str) -> Recipe:

@@ -15,7 +15,8 @@ from lctrain.parallel.chips import compile_options_for
 from lctrain.parallel.hlo_kernels import relayouts_next_to_kernels
 from lctrain.recipes import load_recipe
 from lctrain.trainer.state import build
-from tpu_aot import needs_libtpu, one_worker
+from helpers import one_worker
+from tpu_aot import needs_libtpu
 
 
 def test_hbm_bytes_subtracts_the_aliased_state_once():

@@ -23,6 +23,7 @@ from lctrain.trainer.model.transformer import Transformer
 from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import make_forward
 
+from helpers import one_worker
 from test_strategies import loss_and_grads, mixed_batch, recipe_for
 
 E, HK, HV, DK, DV, KERNEL, SEQ = 32, 2, 4, 8, 8, 4, 24
@@ -125,6 +126,7 @@ def reference():
 GRAD_TOL = 5e-4
 
 
+@one_worker("test_gdn_layer_reference")  # the reference computed once, not per worker
 @pytest.mark.parametrize("load_balance", [True, False], ids=["balanced", "natural"])
 def test_train_step_matches_single_device(reference, load_balance):
     """Context 4 (data 2), packed rows: runs of 8 tokens (balanced) or 16, so documents

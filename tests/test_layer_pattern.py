@@ -19,6 +19,7 @@ from lctrain.trainer.model.transformer import Transformer
 from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import make_forward
 
+from helpers import one_worker
 from reference import dense_attention
 from test_strategies import SEQ, assert_matches, loss_and_grads, mixed_batch, recipe_for
 
@@ -110,6 +111,7 @@ def reference():
 PER_KIND = "{global: ring, sliding: halo}"
 
 
+@one_worker("test_layer_pattern_reference")  # the reference computed once, not per worker
 @pytest.mark.parametrize("strategy, load_balance, extra", [
     (PER_KIND, True, []), (PER_KIND, False, []), ("all_gather", True, []),
     ("ulysses", True, []), ("ring", True, []),

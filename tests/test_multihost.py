@@ -2,7 +2,6 @@
 and save and restore checkpoints across processes."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import numpy as np
 from helpers import lctrain_run
 from lctrain.trainer.hf.safetensors_io import SafetensorsFolder
 from lctrain.trainer.train.distributed import several_tpu_hosts
+from subprocess_env import subprocess_env
 
 
 def free_port() -> int:
@@ -34,7 +34,7 @@ def losses(run_dir):
     return [json.loads(line)["loss"] for line in lines]
 
 
-ENV = {**os.environ, "XLA_FLAGS": ""}
+ENV = subprocess_env()  # the resume and export starts load what the first ones compiled
 
 
 def two_processes(run_dir, steps, command=None):

@@ -33,7 +33,8 @@ from lctrain.trainer.model.remat import compiler_options
 from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import build_trainable
 from lctrain.trainer.train.loop import train
-from tpu_aot import needs_libtpu, one_worker
+from helpers import one_worker
+from tpu_aot import needs_libtpu
 
 shares_compiles = one_worker("test_remat_aot")  # the tests that share a compiled case
 
@@ -179,23 +180,29 @@ def losses(records: list[dict]) -> list[float]:
     return [record["loss"] for record in records]
 
 
+uses_full_losses = one_worker("test_remat_full_losses")  # trained once, not per worker
+
+
 @pytest.fixture(scope="module")
 def full_losses(tmp_path_factory):
     recipe = load_recipe("tiny", CPU_SETS)
     return losses(train(recipe, tmp_path_factory.mktemp("full"), Console(quiet=True)))
 
 
+@uses_full_losses
 def test_offloaded_layer_inputs_train_like_full_remat(tmp_path, full_losses):
     recipe = load_recipe("tiny", CPU_SETS + CASES["offload"])
     assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
 
 
+@uses_full_losses
 def test_a_checkpoint_every_two_layers_trains_like_every_layer(tmp_path, full_losses):
     """Sparser checkpoints only move work: the losses are those of full remat, exactly."""
     recipe = load_recipe("tiny", CPU_SETS + CASES["offload_every_2"])
     assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses
 
 
+@uses_full_losses
 def test_a_layer_input_offloaded_in_slices_trains_like_one_piece(tmp_path, full_losses,
                                                                  monkeypatch):
     """Where one offloaded piece would reach libtpu's 4 GiB the layer input goes to the
@@ -275,6 +282,7 @@ def test_a_compiler_remat_percent_outside_the_hbm_is_refused(percent):
         load_recipe("tiny", [f"remat.compiler_remat_percent={percent}"])
 
 
+@uses_full_losses
 def test_offloaded_optimizer_state_trains_and_resumes_like_on_device(tmp_path, full_losses):
     recipe = load_recipe("tiny", CPU_SETS + ["optimizer.offload=true"])
     assert losses(train(recipe, tmp_path, Console(quiet=True))) == full_losses

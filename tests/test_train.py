@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import lctrain_run
+from helpers import lctrain_run, one_worker
 from lctrain.parallel import make_strategy
 from lctrain.recipes import load_recipe
 from lctrain.trainer.data.sources import make_source
@@ -44,6 +44,7 @@ def single_device_run():
     return run_steps(load_recipe("tiny", SMALL), jax.devices()[:1])
 
 
+@one_worker("test_train_single_device_run")
 @pytest.mark.parametrize("overrides", [
     ["mesh.data=8"],
     ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
@@ -143,18 +144,19 @@ def saving_now(run_dir):
         run_dir / "checkpoints").exists() else False
 
 
-def test_killed_three_times_resumes_with_identical_losses(tmp_path):
-    """SIGKILL at three points (the first while a checkpoint is being written, the others
+def test_killed_twice_resumes_with_identical_losses(tmp_path):
+    """SIGKILL at two points (the first while a checkpoint is being written, the second
     mid-training), then run to the end: every step's loss equals the uninterrupted run's,
     bit for bit, and metrics.jsonl holds each step once. Each kill costs a process start
-    (the compile comes from the cache of tests/subprocess_env.py); three cover both kinds."""
+    (the compile comes from the test run's cache, tests/subprocess_env.py); one of each
+    kind covers both."""
     env = subprocess_env()
     uninterrupted = tmp_path / "uninterrupted"
     subprocess.run(resumable_run(uninterrupted), check=True, env=env, capture_output=True)
 
     killed = tmp_path / "killed"
     rng = np.random.default_rng(0)
-    for round_ in range(3):
+    for round_ in range(2):
         reached = max(losses_by_step(killed), default=0)
         process = subprocess.Popen(resumable_run(killed), env=env, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
@@ -188,6 +190,7 @@ def one_device_losses(tmp_path_factory):
     return [r["loss"] for r in records]
 
 
+@one_worker("test_train_one_device_losses")
 @pytest.mark.parametrize("strategy, extra", [
     ("all_gather", []), ("ulysses", []), ("ring", []), ("usp", ["parallel.ulysses=2"]),
     ("auto", []),

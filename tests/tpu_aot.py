@@ -22,13 +22,6 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="TPU AOT compiles need libtpu (the tpu extra)")
 
 
-def one_worker(group: str) -> pytest.MarkDecorator:
-    """Runs the tests marked with `group` in one pytest-xdist worker (pyproject.toml:
-    --dist=loadgroup), so that a compiled case they share (a functools.cache) compiles
-    once, not once per worker."""
-    return pytest.mark.xdist_group(group)
-
-
 def tpu_mesh(topology: str, axis_sizes: dict[str, int]) -> Mesh:
     """The project's mesh (parallel/mesh.py) over the chips of e.g. topology "v5p:2x2x1".
 
