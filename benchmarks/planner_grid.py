@@ -49,8 +49,21 @@ LLAMA = ("model.preset=llama3.1-8b", "model.dtype=bfloat16", "mesh.data=1",
 # from stored figures.
 SMALL_BASE = ("model.dtype=bfloat16", "attention.impl=xla", "data.batch_size=1",
               "mesh.data=1", "mesh.context=4")
+# Off the grids above: heads of 64 with the Pallas kernels (what lctrain picks on a TPU),
+# whose [heads, tokens, head_dim] tensors a TPU pads to 128 lanes: issue 47's small model,
+# and recipes/one_chip.yaml's narrow variant on one v5e chip, with heads of 64 and of 128.
+NARROW_ONE_CHIP = ("model.dtype=bfloat16", "model.vocab=128256", "model.tie_embeddings=true",
+                   "model.rope_theta=500000", "model.layers=8", "model.d_model=1024",
+                   "model.d_ff=4096", "data.batch_size=1", "mesh.data=1", "mesh.context=1")
 MODELS = {
     "llama3.1-8b": LLAMA,
+    "small384": ("model.dtype=bfloat16", "data.batch_size=1", "mesh.data=1", "mesh.context=4",
+                 "model.d_model=384", "model.n_heads=6", "model.n_kv_heads=2",
+                 "model.layers=3"),
+    "narrow_h64": (*NARROW_ONE_CHIP, "model.n_heads=16", "model.n_kv_heads=8",
+                   "model.head_dim=64"),
+    "narrow_h128": (*NARROW_ONE_CHIP, "model.n_heads=8", "model.n_kv_heads=4",
+                    "model.head_dim=128"),
     "tiny512": (*SMALL_BASE, "model.d_model=512", "model.n_heads=8", "model.n_kv_heads=2",
                 "model.d_ff=1536", "model.layers=2"),
     "mid": (*SMALL_BASE, "model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=4",
@@ -59,7 +72,11 @@ MODELS = {
 REMAT = {"full": ("remat.policy=full",),
          "full_groups": ("remat.policy=full", "remat.layers_per_checkpoint=2"),
          "minimal": ("remat.policy=minimal",),
-         "offload": ("remat.policy=custom", "remat.tensors={decoder_layer_input: offload}")}
+         "offload": ("remat.policy=custom", "remat.tensors={decoder_layer_input: offload}"),
+         # recipes/one_chip.yaml's, in groups of two layers
+         "one_chip_groups": ("remat.policy=custom", "remat.mlp_chunk_tokens=16384",
+                             "remat.tensors={decoder_layer_input: offload, context: offload}",
+                             "remat.layers_per_checkpoint=2")}
 K, M = 2**10, 2**20
 # recipes/llama3_8b_1m.yaml's MLP chunks (remat.mlp_chunk_tokens, whole sequence): 8192
 # tokens per chip, so Point.overrides scales them with the chips; recipes/llama3_8b_128k.yaml's
@@ -95,6 +112,10 @@ GRIDS = {
     "small": Grid(tuple((model, "v5p:2x2x1", seq) for model in ("tiny512", "mid")
                         for seq in (8 * K, 32 * K)),
                   remats=("full", "minimal"), strategies=("all_gather", "ulysses", "ring")),
+    "off_grid": Grid((("small384", "v5p:2x2x1", 12 * K),), remats=("full",),
+                     strategies=("ring", "usp", "none"),
+                     remat_cases=(("one_chip_groups", ("narrow_h64", "v5e:1x1", 256 * K)),
+                                  ("one_chip_groups", ("narrow_h128", "v5e:1x1", 256 * K)))),
 }
 
 

@@ -33,14 +33,14 @@ from lctrain.parallel.planner.compiled import (Timer, attach_compiled, compile_f
                                                compiled_fits)
 from lctrain.parallel.planner.estimate import estimate, recipe_for_strategy
 from lctrain.parallel.planner.memory import CALIBRATION, kernel_impl
-from lctrain.parallel.planner.results import HBM_HEADROOM, Plan, StrategyPlan, gap_percent
+from lctrain.parallel.planner.results import Plan, StrategyPlan, gap_percent
 from lctrain.parallel.planner.search import (COMPILED_BISECT_STEPS, longest_sequences, max_fitting,
                                              max_seq_len, sequence_quantum, with_seq_len)
 from lctrain.parallel.planner.shapes import local_elements, loss_chunks, mlp_chunk_len
 from lctrain.parallel.planner.traffic import KINDS
 
 __all__ = [
-    "CALIBRATION", "COMPILED_BISECT_STEPS", "HBM_HEADROOM", "KINDS", "STEP_TIME_ERROR", "TIE",
+    "CALIBRATION", "COMPILED_BISECT_STEPS", "KINDS", "STEP_TIME_ERROR", "TIE",
     "Plan", "StrategyPlan", "Timer", "against_recipe", "attach_compiled", "candidates",
     "compile_figures",
     "compiled_fits", "count_parameters", "estimate", "gap_percent", "kernel_impl",

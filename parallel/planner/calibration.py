@@ -36,3 +36,9 @@ def accuracy() -> dict:
     """The estimate against the compiled grid, per libtpu release, and the notes on what
     the grid does not cover."""
     return calibration()["accuracy"]
+
+
+def peak_share(peak_phase: str) -> float:
+    """XLA's peak over the estimate of a program that peaks in `peak_phase` (memory.PHASES),
+    the highest measured: the estimate's fit rule."""
+    return calibration()["peak_share"]["by_peak_phase"][peak_phase]

@@ -52,6 +52,7 @@ from lctrain.parallel.strategy import ContextStrategy, stored_chunk_tokens
 from lctrain.recipes.schema import Recipe
 
 SPLASH_LSE_LANES = 128
+TPU_LANES = 128
 
 # How many copies of each term are alive at the peak (calibration.json says what each
 # counts and where its value comes from). A dict the refit updates in place.
@@ -88,6 +89,15 @@ def kernel_impl(recipe: Recipe, platform: str, axis_sizes: dict[str, int]) -> st
     return impl
 
 
+def lane_padded(dm: Dims, impl: str) -> Dims:
+    """dm with its head_dim as the Pallas kernels' tensors take it in HBM: their native
+    layout ([heads, tokens, head_dim]) puts head_dim last, and a TPU lays the last dimension
+    out in tiles of TPU_LANES, so heads of 64 take the bytes of heads of 128."""
+    if impl not in ("pallas", "splash"):
+        return dm
+    return dataclasses.replace(dm, d=-(-dm.d // TPU_LANES) * TPU_LANES)
+
+
 def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy],
            impl: str) -> Memory:
     """Live for the whole step: the state, the batch, the compute-dtype weight stacks, what
@@ -100,7 +110,8 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
     saved_token, host_token = _saved_per_token(recipe, dm)
     embedding_table_grad = (w.embedding * F32 * 2 * (dm.g - 1) / dm.g
                             <= dm.step_tokens * dm.e * F32)
-    footprint = strategy.attention_footprint(dm)
+    heads_dm = lane_padded(dm, impl)
+    footprint = strategy.attention_footprint(heads_dm)
     weight_copies = CALIBRATION["weight_copies"] - (
         CALIBRATION["recast_weight_copies"] if recipe.remat.recast_weights else 0.0)
     terms: dict[str, float] = {
@@ -128,11 +139,11 @@ def memory(recipe: Recipe, dm: Dims, w: Weights, strategy: type[ContextStrategy]
         "group_inputs": (CALIBRATION["group_input_copies"] * tokens * dm.e * p
                          * (recipe.remat.layers_per_checkpoint - 1)),
         "layer_mlp": CALIBRATION["layer_backward"] * mlp_tokens * 5 * dm.f * p,
-        "attention": _attention_working_set(strategy, dm),
+        "attention": _attention_working_set(strategy, heads_dm),
         **_kernel_scratch(dm, footprint, impl, recipe),
     }
     if recipe.remat.policy == "save_all":
-        terms["activations"] += L * strategy.kernel_residuals(dm)
+        terms["activations"] += L * strategy.kernel_residuals(heads_dm)
     host = {"offloaded_activations": L * tokens * host_token} if host_token else {}
     if getattr(getattr(recipe, "optimizer", None), "offload", False):
         # optimizer.offload keeps AdamW's moments in pinned host memory between steps;

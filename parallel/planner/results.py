@@ -5,12 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from lctrain.parallel import STRATEGIES
-from lctrain.parallel.chips import Chip
+from lctrain.parallel.chips import LOAD_RESERVE_BYTES, Chip
+from lctrain.parallel.planner.calibration import peak_share
 from lctrain.parallel.xla_failures import COMPILER_FAILED
 
-# Share of device HBM a plan may use; the rest is left for XLA's own reserve, fragmentation
-# and the estimate's error (the accuracy grid's worst case, see tests/test_planner.py).
-HBM_HEADROOM = 0.90
 # How a compile whose process libtpu killed is recorded (compiled.aborted_figures), and one
 # that lctrain's device checks refused before compiling (compiled.compile_figures); one
 # that XLA refused for a reason other than memory is COMPILER_FAILED's.
@@ -79,8 +77,12 @@ class StrategyPlan:
 
     @property
     def fits(self) -> bool:
-        """The estimate fits in HBM_HEADROOM of the chip's HBM and in its host memory."""
-        return (self.hbm_bytes <= HBM_HEADROOM * self.hbm_capacity
+        """The estimate fits as the compiler would take it, and in the host memory. The
+        estimate is of the buffers' sum; libtpu checks XLA's peak, at most calibration.json's
+        peak_share of it for the phase the step peaks in, against the HBM less what loading
+        needs."""
+        return (self.hbm_bytes * peak_share(self.peak_phase)
+                <= self.hbm_capacity - LOAD_RESERVE_BYTES
                 and self.host_bytes <= self.host_capacity)
 
     @property
@@ -100,7 +102,7 @@ class StrategyPlan:
     @property
     def deciding_fits(self) -> bool:
         """Whether the recommendation counts this strategy as fitting: by XLA's figures in
-        the chip's whole HBM when compiled, else by the estimate within HBM_HEADROOM."""
+        the chip's whole HBM when compiled, else by the estimate (fits)."""
         if self.compiled is None:
             return self.fits
         return self.compiled_json()["compiled_fits"]
