@@ -281,4 +281,4 @@ def test_a_single_v5e_chip_compiles_with_the_chips_measured_kernel():
     stats = aot.memory_stats(run.train_step)
     assert stats.peak_bytes == run.train_step.memory_analysis().peak_memory_in_bytes
     assert stats.peak_bytes != stats.hbm_bytes
-    assert build.compiled_need("none", run.train_step).hbm_bytes == stats.peak_bytes
+    assert build.compiled_need("none", run.train_step, "tpu").hbm_bytes == stats.peak_bytes

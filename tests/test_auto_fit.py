@@ -61,9 +61,9 @@ def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compil
     devices = jax.devices()[:2]
     executables = []
 
-    def spy(name, compiled):
+    def spy(name, compiled, platform):
         executables.append(compiled)
-        return real_need(name, compiled)
+        return real_need(name, compiled, platform)
 
     real_need = build.compiled_need
     monkeypatch.setattr(build, "compiled_need", spy)

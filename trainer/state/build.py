@@ -88,7 +88,7 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
             if memory_limit is None:
                 raise
             return None, refused_need(name, str(err))
-        need = compiled_need(name, run.train_step)
+        need = compiled_need(name, run.train_step, platform)
         need.seconds = time.perf_counter() - start
         return run, need
 
@@ -149,13 +149,13 @@ def print_lines(console: Console | None, lines) -> None:
         console.print(line, soft_wrap=True, markup=False)
 
 
-def compiled_need(name: str, compiled: jax.stages.Compiled) -> CompiledNeed:
-    """XLA's per-device memory of a compiled program: the most it holds at once where XLA
-    says (CompiledStats.peak_bytes, what the TPU compiler checked against HBM), else its
-    buffers' sum."""
+def compiled_need(name: str, compiled: jax.stages.Compiled, platform: str) -> CompiledNeed:
+    """XLA's per-device memory of a compiled program: on a TPU its peak
+    (CompiledStats.peak_bytes, what the compiler checked against HBM), elsewhere its
+    buffers' sum, which a GPU run compares with the device's memory."""
     stats = memory_stats(compiled)
-    return CompiledNeed(name, stats.peak_bytes or stats.hbm_bytes,
-                        stats.host_temp_bytes + stats.host_argument_bytes)
+    held = stats.peak_bytes if platform == "tpu" and stats.peak_bytes else stats.hbm_bytes
+    return CompiledNeed(name, held, stats.host_temp_bytes + stats.host_argument_bytes)
 
 
 def device_batch(source: DataSource, index: int, order: np.ndarray | None,
