@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lctrain.parallel import STRATEGIES
-from lctrain.parallel.chips import Chip, gigabytes
+from lctrain.parallel.chips import LOAD_RESERVE_BYTES, Chip, gigabytes
 from lctrain.parallel.cost_model import NotOnThisMesh
 from lctrain.parallel.planner.accuracy import STEP_TIME_ERROR, estimate_note
 from lctrain.parallel.planner.estimate import estimate, recipe_for_strategy
@@ -32,13 +32,14 @@ def _figure_source(plan: StrategyPlan) -> str:
 
 
 def _fit_figures(plan: StrategyPlan) -> str:
-    """'41.8 GB of 102.8 GB per device, compiled', saying so where XLA's sum is above the
-    HBM of a program the compiler accepted (results.fits_as_compiled)."""
+    """'41.8 GB of 102.8 GB per device, compiled', saying so where the figure, XLA's buffers'
+    sum or its estimate, is above what the compiler lets a program hold: what it checks is
+    the program's peak (results.fits_as_compiled, StrategyPlan.fits)."""
     figures = (f"{gigabytes(plan.deciding_hbm_bytes)} of {gigabytes(plan.hbm_capacity)} per "
                f"device, {_figure_source(plan)}")
-    if plan.deciding_hbm_bytes > plan.hbm_capacity:
-        figures += ("; XLA's TPU compiler accepted it, and its memory_analysis() sum overstates "
-                    "what the chip holds: docs/memory.md")
+    if plan.deciding_fits and plan.deciding_hbm_bytes > plan.hbm_capacity - LOAD_RESERVE_BYTES:
+        figures += ("; a sum of XLA's buffers, which are not all alive at once: the TPU "
+                    "compiler checks the program's peak (docs/memory.md)")
     return figures
 
 
