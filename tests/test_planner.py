@@ -218,7 +218,7 @@ def test_compiled_figures_decide_the_recommendation():
         strategy_plan.compiled["hbm_bytes"] = V5P.hbm_bytes + 1e9
     choice, reason = planner.recommend(result.plans)
     assert choice.deciding_fits and "103.80 GB of 102.80 GB" in reason
-    assert "compiler accepted it" in reason and "docs/memory.md" in reason
+    assert "compiler checks the program's peak" in reason and "docs/memory.md" in reason
     for strategy_plan in result.plans:
         strategy_plan.compiled["host_bytes"] = V5P.host_bytes + 1
     choice, reason = planner.recommend(result.plans)
