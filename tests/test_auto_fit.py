@@ -158,9 +158,10 @@ def test_fallbacks_follow_the_recommendation_on_what_is_left():
                                 "data.batch_size=1", "mesh.data=1", "mesh.context=4",
                                 "parallel.strategy=auto", "remat.mlp_chunk_tokens=16384"])
     sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
-    # ulysses's and all_gather's estimates (99.4, 102.0 GB) fit in 90% of 114 GB, ring's and
-    # usp's (103.4: a ring's working set peaks highest with the MLP in chunks) do not
-    chip = dataclasses.replace(CHIPS["v5p"], hbm_bytes=114e9)
+    # ulysses's and all_gather's estimates (99.4, 102.0 GB) fit 88.5 GB (their attention-
+    # phase peak share of them, calibration.json, within it less the load reserve), ring's
+    # and usp's (103.4: a ring's working set peaks highest with the MLP in chunks) do not
+    chip = dataclasses.replace(CHIPS["v5p"], hbm_bytes=88.5e9)
     result = planner.plan(recipe, chip, sizes, "tpu")
     order = ranked(result.plans)
     assert order[0] is result.choice and sorted(map(id, order)) == sorted(map(id, result.plans))
