@@ -22,9 +22,6 @@ SCANNED = sorted({*(path for folder in FOLDERS for path in (ROOT / folder).rglob
                   *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "recipes").glob("*.yaml"),
                   *(ROOT / "docs").glob("*.md"), ROOT / "README.md"}
                  - {Path(__file__).resolve()})  # its examples are figures
-# Docstrings that still restate figures, in test files whose owner is reworking them (the
-# suite's speed-up of issue 49): strict, so the mark goes when they link instead.
-RESTATED_FOR_NOW = {"tests/test_remat.py", "tests/test_ring.py"}
 # A decimal or thousands-grouped number standing alone: not part of 0.10.2, a name, a path
 # or a format ("{x:>7.1%}"), nor glued to a letter that is no unit (XLA's "97.06G" quoted).
 NUMBER = r"(?<![\w.,/\->:<^])(\d+\.\d+|\d{1,3}(?:,\d{3})+)(?!\d|\.\d|,\d)"
@@ -108,10 +105,7 @@ def test_figures_are_found_as_written():
 
 
 def scanned_case(path: Path):
-    name = str(path.relative_to(ROOT))
-    marks = ([pytest.mark.xfail(strict=True, reason="restates figures: to link to RESULTS.md")]
-             if name in RESTATED_FOR_NOW else [])
-    return pytest.param(path, id=name, marks=marks)
+    return pytest.param(path, id=str(path.relative_to(ROOT)))
 
 
 @pytest.mark.parametrize("path", [scanned_case(path) for path in SCANNED])

@@ -124,8 +124,8 @@ def test_mixed_layer_kinds_offload_every_layer_input_and_cost_no_more():
 @needs_libtpu
 def test_a_checkpoint_every_two_layers_offloads_half_the_layer_inputs():
     """remat.layers_per_checkpoint=2: the scan saves every other layer's input (host: half
-    of them), and the device pays only the recomputed group's transient inputs (measured
-    +2.4%: 272.8 -> 279.3 MiB; without offload full remat's peak fell 401.8 -> 341.2)."""
+    of them), and the device pays only the recomputed group's transient inputs (a few
+    percent of its peak; without offload full remat's peak falls)."""
     offload, _ = compiled("offload")
     every_2, hlo = compiled("offload_every_2")
     assert close(every_2.host_temp_size_in_bytes, LAYER_INPUTS // 2, 0.02), \
@@ -367,7 +367,7 @@ def test_the_layers_of_a_checkpointed_group_are_recomputed_apart():
     checkpoint, so each layer's own checkpoint prevents CSE: the backward recomputes the
     group's forward to reach a layer's input, and XLA would otherwise merge that with the
     layer's own recomputation and keep its intermediates through the next layer's
-    backward (33.5M tokens on v5p:4x4x4, groups of 2: 110.24 -> 105.72 GB per chip).
+    backward (benchmarks/RESULTS.md, "One layer input in two, recomputed apart").
     The group's checkpoint, a scan step, leaves CSE to the scan."""
     import jax.numpy as jnp
 

@@ -142,8 +142,8 @@ def test_dkv_sums_are_added_only_inside_the_pallas_kernel(c):
     """The backward attends the chip's own chunk last, into the dK/dV sum that came home:
     with the Pallas kernel (which adds into the sum it is given) the ring adds no f32
     K-sized pair itself. Own chunk first, its f32 dK/dV would wait through every step and
-    be added to the sum at the end (llama3.1-8b at 1M tokens on v5p:2x2x1: 83.71 GB per
-    chip that way, 76.19 this way)."""
+    be added to the sum at the end (what that costs at 1M tokens on 4 chips:
+    benchmarks/RESULTS.md's first table)."""
     seq = 128 * c
     q, k, v, dout, positions, segment_ids = inputs(seq, jnp.bfloat16)
     k_shapes = {(B, seq // c, HKV, D), (B, HKV, seq // c, D)}  # either layout
