@@ -86,7 +86,7 @@ class CompiledStats:
     # XLA's peak (memory_analysis().peak_memory_in_bytes): what libtpu checks against the
     # chip's HBM. Of a long-context step it is less than the buffers' sum (hbm_bytes), whose
     # temporaries are never all alive together (benchmarks/RESULTS.md, "One v5e chip"); of
-    # a small program more, with the runtime's own share. 0 where XLA gives none.
+    # a small program more, with the runtime's own share. 0 for figures built by hand.
     peak_bytes: int = 0
 
     @property
@@ -115,7 +115,7 @@ def memory_stats(compiled) -> CompiledStats:
         host_argument_bytes=memory.host_argument_size_in_bytes,
         generated_code_bytes=memory.generated_code_size_in_bytes,
         collective_bytes={},
-        peak_bytes=getattr(memory, "peak_memory_in_bytes", 0) or 0)
+        peak_bytes=memory.peak_memory_in_bytes)
 
 
 def compiled_stats(compiled) -> CompiledStats:

@@ -32,7 +32,7 @@ def _figure_source(plan: StrategyPlan) -> str:
 
 
 def _fit_figures(plan: StrategyPlan) -> str:
-    """'41.8 GB of 102.8 GB per device, compiled', saying so where the figure, XLA's buffers'
+    """'<n> GB of <hbm> GB per device, compiled', saying so where the figure, XLA's buffers'
     sum or its estimate, is above what the compiler lets a program hold: what it checks is
     the program's peak (results.fits_as_compiled, StrategyPlan.fits)."""
     figures = (f"{gigabytes(plan.deciding_hbm_bytes)} of {gigabytes(plan.hbm_capacity)} per "

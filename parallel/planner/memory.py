@@ -51,7 +51,7 @@ from lctrain.parallel.ring_cost import ring_attention_footprint
 from lctrain.parallel.strategy import ContextStrategy, stored_chunk_tokens
 from lctrain.recipes.schema import Recipe
 
-SPLASH_LSE_LANES = 128
+# A TPU lays an array's last dimension out in tiles of this many lanes.
 TPU_LANES = 128
 
 # How many copies of each term are alive at the peak (calibration.json says what each
@@ -231,9 +231,9 @@ def _kernel_scratch(dm: Dims, call: AttentionFootprint, impl: str,
     sq, skv, heads = call.q_tokens, call.kv_tokens, call.heads
     terms: dict[str, float] = {}
     if impl == "splash":
-        # splash writes its logsumexp 128 lanes wide ([heads, sq, 128] f32) before keeping
+        # splash writes its logsumexp TPU_LANES wide ([heads, sq, TPU_LANES] f32) before keeping
         # lane 0
-        terms["kernel_scratch"] = b * heads * sq * SPLASH_LSE_LANES * F32
+        terms["kernel_scratch"] = b * heads * sq * TPU_LANES * F32
     if impl == "xla":
         block_q, block_kv = min(recipe.attention.block_q, sq), min(recipe.attention.block_kv, skv)
         terms["kernel_scratch"] = (CALIBRATION["kernel_block_scores"]

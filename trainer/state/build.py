@@ -154,7 +154,7 @@ def compiled_need(name: str, compiled: jax.stages.Compiled, platform: str) -> Co
     (CompiledStats.peak_bytes, what the compiler checked against HBM), elsewhere its
     buffers' sum, which a GPU run compares with the device's memory."""
     stats = memory_stats(compiled)
-    held = stats.peak_bytes if platform == "tpu" and stats.peak_bytes else stats.hbm_bytes
+    held = stats.peak_bytes if platform == "tpu" else stats.hbm_bytes
     return CompiledNeed(name, held, stats.host_temp_bytes + stats.host_argument_bytes)
 
 
