@@ -48,19 +48,13 @@ SECTIONS = ("accuracy", "blocks", "run", "max_seq", "mfu")
 BLOCKS = {"pallas": [(512, 512), (1024, 1024), (1024, 512), (512, 1024), (2048, 512),
                      (512, 2048)],
           "splash": [(512, 512), (1024, 1024)]}
-# recipes/one_chip.yaml under each remat the fit rule must hold for, and the lengths to
-# try, ascending: around where the compiler for v5e:1x1 (the chip's own compile, the same
-# figures) accepts and refuses them (benchmarks/RESULTS.md, "One v5e chip")
-REMATS = {
-    "full": (["remat.policy=full", "remat.tensors={}", "remat.mlp_chunk_tokens=0"],
-             [65536, 69632, 73728]),
-    "offload": ([], [98304, 114688, 131072]),
-    "offload_groups_of_2_narrow": (
-        ["remat.layers_per_checkpoint=2", "model.layers=8", "model.d_model=1024",
-         "model.n_heads=16", "model.n_kv_heads=8", "model.head_dim=64", "model.d_ff=4096"],
-        [262144, 327680, 393216]),
-}
-RUN_TIMEOUT_S = 300
+# recipes/one_chip.yaml under each remat the fit rule must hold for, with the lengths to
+# try: the longest the compiler for v5e:1x1 (the chip's own compile) accepts and the
+# shortest it refuses (benchmarks/RESULTS.md, "One v5e chip")
+EDGES = json.loads((ROOT / "benchmarks/data/tpu_v5e_2026-12-07_fits.json").read_text())
+REMATS = {edge["remat"]: (edge["sets"], [edge["accepted"], edge["refused"]])
+          for edge in EDGES["compiled_edges_v5e_1x1"]["edges"]}
+RUN_TIMEOUT_S = 480  # the narrow recipe's two steps at ~300K tokens take minutes
 IN_CHILDREN = ("run", "max_seq")
 
 
