@@ -20,7 +20,7 @@ from lctrain.kernels.tiles import DEFAULT_BLOCK
 from lctrain.parallel import (LayerStrategies, attention_blocks, attention_kernels, build_mesh,
                               make_strategy)
 from lctrain.parallel.aot import memory_stats
-from lctrain.parallel.chips import compile_options_for
+from lctrain.parallel.chips import LOAD_RESERVE_BYTES, compile_options_for
 from lctrain.parallel.auto import (CompiledNeed, compiler_failed, compiler_failure,
                                    first_that_fits, none_fits, refused_need,
                                    shortfall, strategy_name)
@@ -68,9 +68,11 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
     if memory_limit is None and platform in ("tpu", "gpu"):
         memory_limit = allocator_limit(devices) or device_memory_bytes(devices)
     # On a TPU the compiler is the check: libtpu refuses a program whose peak exceeds HBM
-    # less what loading it needs (chips.LOAD_RESERVE_BYTES). A GPU's compiler checks
-    # nothing.
+    # less what loading it needs (chips.LOAD_RESERVE_BYTES), so that is the figure a
+    # refusal names. A GPU's compiler checks nothing.
     compared_limit = None if platform == "tpu" else memory_limit
+    if platform == "tpu" and memory_limit:
+        memory_limit -= LOAD_RESERVE_BYTES
 
     def compile_candidate(strategy: str, ulysses: int) -> tuple[CompiledRun | None,
                                                                  CompiledNeed]:
