@@ -106,6 +106,7 @@ def lctrain_run(sets: list[str], recipe: str | None = None, steps: int = 2) -> d
     return dict(exit=code, seconds=round(time.perf_counter() - start, 1),
                 compiled=next((line for line in lines if "compiled train step" in line), None),
                 error=next((line for line in lines if line.startswith("error")), None),
+                step_lines=[line for line in lines if "MFU" in line],
                 records=records, tail=lines[-3:])
 
 

@@ -32,6 +32,10 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                          max_position_embeddings=131072, tie_embeddings=False, norm_eps=1e-5),
 }
 
+# The keys that make a preset's shape: a recipe that changes one trains another model.
+SHAPE_KEYS = ("family", "layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab",
+              "qkv_bias", "tie_embeddings")
+
 # Model keys that may differ from an imported config.json on purpose: changing RoPE is how
 # a pretrained model's context is extended.
 ROPE_KEYS = ("rope_theta", "rope_scaling")
@@ -208,8 +212,15 @@ class ModelConfig:
 
     @property
     def name(self) -> str:
-        """What the model is, for logs: its preset, or the folder it was imported from."""
-        return self.init if self.hf_dir else self.preset
+        """What the model is, for logs: the folder it was imported from, its preset, or
+        "custom" where the recipe changed the preset's architecture."""
+        if self.hf_dir:
+            return self.init
+        preset = MODEL_PRESETS[self.preset]
+        head_dim = preset["head_dim"] or preset["d_model"] // preset["n_heads"]
+        changed = self.head_dim != head_dim or any(
+            getattr(self, key) != preset[key] for key in SHAPE_KEYS)
+        return f"custom (from {self.preset})" if changed else self.preset
 
     @property
     def hf_dir(self) -> str | None:

@@ -15,19 +15,37 @@ from lctrain.parallel.planner.estimate import estimate
 from lctrain.recipes import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-EDGES = json.loads((ROOT / "benchmarks" / "data" / "tpu_v5e_2026-12-07_fits.json")
-                   .read_text())["compiled_edges_v5e_1x1"]["edges"]
+FITS = json.loads((ROOT / "benchmarks" / "data" / "tpu_v5e_2026-12-07_fits.json").read_text())
+EDGES = FITS["compiled_edges_v5e_1x1"]["edges"]
 ONE_CHIP = dict(data=1, fsdp=1, context=1, tensor=1)
 # issue 47 asks for 10% of the longest that runs; the offloaded recipe's estimate is further
-# under the longest its compile accepted (benchmarks/RESULTS.md, "One v5e chip"): this bound
-BELOW_ACCEPTED = 0.85
+# under it (benchmarks/RESULTS.md, "One v5e chip"): this bound
+BELOW_LONGEST_RUN = 0.85
+
+
+def longest_run(remat: str) -> int:
+    """The longest length of `remat`'s recipe that ran on the chip."""
+    return max(row["seq_len"] for row in FITS["max_seq_ran"]["rows"]
+               if row["remat"] == remat and row["ran"])
 
 
 @pytest.mark.parametrize("edge", EDGES, ids=[edge["remat"] for edge in EDGES])
 def test_estimated_max_seq_stays_under_what_the_chips_compiler_refuses(edge):
     recipe = load_recipe(str(ROOT / "recipes" / "one_chip.yaml"), edge["sets"])
     longest = search.max_seq_len(recipe, ONE_CHIP, chip_named("v5e"), "none")
-    assert BELOW_ACCEPTED * edge["accepted"] <= longest < edge["refused"]
+    assert BELOW_LONGEST_RUN * longest_run(edge["remat"]) <= longest < edge["refused"]
+
+
+def test_the_plan_warns_where_offloading_the_attentions_output_outruns_the_estimate():
+    """An offloaded context with a checkpoint per layer has peaked at the estimate itself
+    (calibration.json's note); in groups of 2 the fit rule holds."""
+    from lctrain.parallel.planner.accuracy import estimate_note
+    one_chip = str(ROOT / "recipes" / "one_chip.yaml")
+    assert "context: offload" in (estimate_note(load_recipe(one_chip), ONE_CHIP) or "")
+    grouped = load_recipe(one_chip, ["remat.layers_per_checkpoint=2"])
+    kept = load_recipe(one_chip, ["remat.tensors={decoder_layer_input: offload}"])
+    for recipe in (grouped, kept):
+        assert "context: offload" not in (estimate_note(recipe, ONE_CHIP) or "")
 
 
 @pytest.mark.parametrize("impl, padded", [("pallas", 2.0), ("xla", 1.0)])

@@ -335,3 +335,11 @@ def test_the_default_recipe_splits_each_sequence_over_four_devices():
     recipe = load_recipe(None)
     assert (recipe.parallel.strategy, recipe.parallel.load_balance) == ("ring", True)
     assert check_against_devices(recipe, 8) == {"data": 2, "fsdp": 1, "context": 4, "tensor": 1}
+
+
+def test_a_model_whose_shape_differs_from_its_preset_is_named_custom():
+    """Logs name the preset only for its own shape; RoPE changes (context extension) keep it."""
+    assert load_recipe("tiny").model.name == "tiny"
+    assert load_recipe("tiny", ["model.rope_theta=500000"]).model.name == "tiny"
+    assert load_recipe("tiny", ["model.layers=3"]).model.name == "custom (from tiny)"
+    assert load_recipe("tiny", ["model.head_dim=32"]).model.name == "custom (from tiny)"

@@ -50,6 +50,9 @@ def estimate_note(recipe: Recipe, axis_sizes: dict[str, int]) -> str | None:
         reasons.append(notes["switched_layer_kinds"])
     if recipe.remat.compiler_remat_percent is not None:
         reasons.append(notes["compiler_remat"])
+    if (recipe.remat.tensors.get("context") == "offload"
+            and recipe.remat.layers_per_checkpoint == 1):
+        reasons.append(notes["offloaded_context"])
     if not reasons:
         return None
     return ("the memory estimate is rough here: on the compiled grid "
