@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -40,35 +41,49 @@ def sigint_not_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)],
-                         ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_saves_at_the_step_reached_and_resume_continues(tmp_path, signum,
-                                                                      exit_code):
-    """SIGTERM (preemption) exits 0, SIGINT (Ctrl-C) 130 as a shell expects; both save
-    first, and the resumed run logs every step once."""
-    command = [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(tmp_path),
-               "--set", "train.steps=60", "--set", "checkpoint.every=1000",
-               "--set", "runtime.log_every=1", "--set", "data.seq_len=64"]
+def stopped(command, signum, after_step):
+    """`command` in a process of its own, sent `signum` once its metrics.jsonl logs step
+    `after_step`; its return code and stdout."""
+    run_dir = command[command.index("--run-dir") + 1]
     with sigint_not_ignored():
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                    text=True, env=subprocess_env())
     deadline = time.time() + 120
-    while time.time() < deadline and len(logged_steps(tmp_path)) < 5:
-        time.sleep(0.2)
+    while time.time() < deadline and max(logged_steps(Path(run_dir)), default=0) < after_step:
+        time.sleep(0.05)
     process.send_signal(signum)
     output, _ = process.communicate(timeout=120)
-    assert process.returncode == exit_code
-    reached = max(logged_steps(tmp_path))
-    assert 5 <= reached < 60
-    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved == [reached]
-    assert f"{signal.Signals(signum).name}: checkpoint saved at step {reached}" in output
+    return process.returncode, output
+
+
+def test_sigterm_and_sigint_each_save_at_the_step_reached_and_resume_continues(tmp_path):
+    """SIGTERM (preemption) exits 0, SIGINT (Ctrl-C) 130 as a shell expects; both save
+    first. One run dir: stopped by SIGTERM, resumed and stopped by SIGINT, resumed to the
+    end, which logs every step once (three process starts, not two per signal)."""
+    # tests/test_train.py's resumable run (the same program, compiled once per test run)
+    # without its checkpoints every 2 steps.
+    command = [sys.executable, "-m", "lctrain.cli.main", "run", "--run-dir", str(tmp_path),
+               "--set", "train.steps=30", "--set", "checkpoint.every=1000",
+               "--set", "runtime.log_every=1", "--set", "data.seq_len=64"]
+    reached = 0
+    for signum, exit_code in ((signal.SIGTERM, 0), (signal.SIGINT, 130)):
+        returncode, output = stopped(command, signum, reached + 5)
+        assert returncode == exit_code, output
+        if reached:
+            assert f"resumed from checkpoint at step {reached}" in output
+        before, reached = reached, max(logged_steps(tmp_path))
+        assert before + 5 <= reached < 30
+        saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
+                       if p.name.isdigit())
+        assert saved == [step for step in (before, reached) if step]  # checkpoint.keep 2
+        assert f"{signal.Signals(signum).name}: checkpoint saved at step {reached}" in output
+        assert logged_steps(tmp_path) == list(range(1, reached + 1))
 
     resumed = subprocess.run(command, capture_output=True, text=True,
                              env=subprocess_env())
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from checkpoint at step {reached}" in resumed.stdout
-    assert logged_steps(tmp_path) == list(range(1, 61))
+    assert logged_steps(tmp_path) == list(range(1, 31))
 
 
 def test_nonfinite_step_stops_before_saving(tmp_path, monkeypatch):
