@@ -71,16 +71,31 @@ def test_compiler_out_of_memory_gives_needed_and_available_hbm():
     assert explain(KeyError("a bug")) is None
 
 
-def test_unreadable_checkpoint_names_its_folder(tmp_path):
-    result = CliRunner().invoke(app, ["run", "--steps", "2", "--run-dir", str(tmp_path), *SHORT])
+# `lctrain run` of the tiny recipe, 2 steps then 4 (the first run's recipe again but
+# train.steps): in this process (CliRunner) and in processes of their own.
+UNREADABLE = ["tiny", "--set", "data.seq_len=64", "--set", "runtime.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def unreadable_checkpoint(tmp_path_factory):
+    """A run dir of 2 steps whose step-2 checkpoint lost its arrays' data (the metadata
+    stays); restoring it fails. Reruns that fail to restore leave it as it is."""
+    run_dir = tmp_path_factory.mktemp("unreadable")
+    result = CliRunner().invoke(app, ["run", *UNREADABLE, "--steps", "2", "--run-dir",
+                                      str(run_dir)])
     assert result.exit_code == 0, result.output
-    step_dir = tmp_path / "checkpoints" / "2"
-    for array_files in step_dir.glob("state/*"):   # the arrays' data, not the metadata
-        if array_files.is_dir():
+    for array_files in (run_dir / "checkpoints" / "2").glob("state/*"):
+        if array_files.is_dir():   # the arrays' data, not the metadata
             shutil.rmtree(array_files)
-    again = CliRunner().invoke(app, ["run", "--steps", "4", "--run-dir", str(tmp_path), *SHORT])
+    return run_dir
+
+
+def test_unreadable_checkpoint_names_its_folder(unreadable_checkpoint):
+    run_dir = unreadable_checkpoint
+    again = CliRunner().invoke(app, ["run", *UNREADABLE, "--steps", "4", "--run-dir",
+                                     str(run_dir)])
     assert again.exit_code == 1, again.output
-    assert f"{step_dir}: cannot restore checkpoint step 2" in again.output
+    assert f"{run_dir / 'checkpoints' / '2'}: cannot restore checkpoint step 2" in again.output
     assert "Traceback" not in again.output
 
 
@@ -142,30 +157,31 @@ def test_plan_compiles_are_each_timed(monkeypatch):
     assert all(figures["compiled"] == 8192 for figures in longest.values())
 
 
-def test_an_unreadable_checkpoint_is_one_line_to_the_end_of_the_process(tmp_path):
+def test_an_unreadable_checkpoint_is_one_line_to_the_end_of_the_process(
+        unreadable_checkpoint, tmp_path):
     """orbax's reads still in flight when a restore fails end on a closed event loop; their
     "Event loop is closed" tracebacks came before, among or after the error line, and
     "Task exception was never retrieved" at exit (7 runs in 50 before the fix, two at a
-    time; three runs here)."""
+    time; three runs here, side by side)."""
     import subprocess
     import sys
 
     from subprocess_env import subprocess_env
 
-    command = [sys.executable, "-m", "lctrain.cli.main", "run", "tiny", "--run-dir",
-               str(tmp_path), "--set", "data.seq_len=64", "--set", "runtime.cpu_devices=8"]
     env = {**subprocess_env(), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([*command, "--steps", "2"], capture_output=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    for array_files in (tmp_path / "checkpoints" / "2").glob("state/*"):
-        if array_files.is_dir():
-            shutil.rmtree(array_files)
-    for _ in range(3):
-        again = subprocess.run([*command, "--steps", "4"], capture_output=True, text=True,
-                               env=env, timeout=300)
-        assert again.returncode == 1
-        assert again.stderr.startswith(f"error: {tmp_path / 'checkpoints' / '2'}: cannot restore")
-        assert len(again.stderr.strip().splitlines()) == 1, again.stderr[-3000:]
+    run_dirs = [tmp_path / str(i) for i in range(3)]   # a run dir holds one run at a time
+    processes = []
+    for run_dir in run_dirs:
+        shutil.copytree(unreadable_checkpoint, run_dir)
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "lctrain.cli.main", "run", *UNREADABLE, "--steps", "4",
+             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env))
+    for run_dir, process in zip(run_dirs, processes):
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 1, stderr[-3000:]
+        assert stderr.startswith(f"error: {run_dir / 'checkpoints' / '2'}: cannot restore")
+        assert len(stderr.strip().splitlines()) == 1, stderr[-3000:]
 
 
 def test_a_scoped_vmem_failure_is_a_kernel_tile_problem_not_hbm():
