@@ -2,15 +2,21 @@
 and save and restore checkpoints across processes."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
 
 import numpy as np
+from rich.console import Console
+from typer.testing import CliRunner
 
 from helpers import lctrain_run
+from lctrain.cli.main import app
+from lctrain.recipes import load_recipe
 from lctrain.trainer.hf.safetensors_io import SafetensorsFolder
 from lctrain.trainer.train.distributed import several_tpu_hosts
+from lctrain.trainer.train.loop import train
 from subprocess_env import subprocess_env
 
 
@@ -20,13 +26,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ring_run(run_dir, *settings, steps=4):
+def ring_settings(*settings, steps=4):
     # A constant learning rate after warmup (min_lr_ratio 1), so that a run to 4 steps
     # resumed to 6 follows the same schedule as a run to 6.
-    return lctrain_run(run_dir, f"train.steps={steps}", "train.warmup_steps=1",
-                       "train.min_lr_ratio=1.0", "runtime.log_every=1", "checkpoint.every=2",
-                       "data.seq_len=64", "mesh.data=2", "mesh.context=4",
-                       "parallel.strategy=ring", *settings)
+    return [f"train.steps={steps}", "train.warmup_steps=1", "train.min_lr_ratio=1.0",
+            "runtime.log_every=1", "checkpoint.every=2", "data.seq_len=64", "mesh.data=2",
+            "mesh.context=4", "parallel.strategy=ring", *settings]
+
+
+def ring_run(run_dir, *settings, steps=4):
+    return lctrain_run(run_dir, *ring_settings(*settings, steps=steps))
 
 
 def losses(run_dir):
@@ -50,10 +59,12 @@ def two_processes(run_dir, steps, command=None):
     return outputs
 
 
-def test_two_processes_match_one_and_resume_across_processes(tmp_path):
+def test_two_processes_match_one_and_resume_across_processes(tmp_path, monkeypatch):
+    """The one-process references (a 6-step run, an export) run here, on this process's 8
+    fake devices (conftest.py), as `lctrain run` would on its own."""
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # the CLI's start appends to it
     single = tmp_path / "single"
-    subprocess.run(ring_run(single, steps=6), check=True, env=ENV, capture_output=True,
-                   timeout=300)
+    train(load_recipe(None, ring_settings(steps=6)), single, Console(quiet=True))
 
     multi = tmp_path / "multi"
     outputs = two_processes(multi, steps=4)
@@ -69,13 +80,12 @@ def test_two_processes_match_one_and_resume_across_processes(tmp_path):
     # files one process writes.
     exported = {}
     for name, processes in (("one", 1), ("two", 2)):
-        command = [sys.executable, "-m", "lctrain.cli.main", "export", str(multi),
-                   str(tmp_path / name), "--dtype", "float32"]
+        arguments = ["export", str(multi), str(tmp_path / name), "--dtype", "float32"]
         if processes == 1:
-            subprocess.run([*command, "--set", "runtime.cpu_devices=8"], check=True, env=ENV,
-                           capture_output=True, timeout=300)
+            result = CliRunner().invoke(app, [*arguments, "--set", "runtime.cpu_devices=8"])
+            assert result.exit_code == 0, result.output
         else:
-            two_processes(multi, 6, command)
+            two_processes(multi, 6, [sys.executable, "-m", "lctrain.cli.main", *arguments])
         exported[name] = SafetensorsFolder(tmp_path / name)
     assert set(exported["one"].entries) == set(exported["two"].entries)
     for tensor in exported["one"].entries:
