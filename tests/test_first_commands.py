@@ -170,7 +170,9 @@ RERUN = ["--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set",
 
 
 def rerun(run_dir, *extra):
-    return CliRunner().invoke(app, ["run", "--run-dir", str(run_dir), *RERUN, *extra])
+    """The tiny recipe (data-parallel, strategy none), so that the rerun on ring over
+    mesh.context 4 is another mesh and strategy."""
+    return CliRunner().invoke(app, ["run", "tiny", "--run-dir", str(run_dir), *RERUN, *extra])
 
 
 def test_reruns_finish_continue_or_name_what_changed(tmp_path):
@@ -217,13 +219,16 @@ def test_default_attention_is_a_tpu_kernel_on_tpu_and_xla_on_cpu():
 
 
 def test_an_interpreted_kernel_on_cpu_is_said_once(tmp_path):
-    result = CliRunner().invoke(app, ["run", "--steps", "1", "--run-dir", str(tmp_path),
-                                      "--set", "attention.impl=pallas",
+    """The tiny recipe (no ring: one interpreted kernel call per layer, not one per ring
+    step)."""
+    result = CliRunner().invoke(app, ["run", "tiny", "--steps", "1", "--run-dir",
+                                      str(tmp_path), "--set", "attention.impl=pallas",
                                       "--set", "data.seq_len=64"])
     assert result.exit_code == 0, result.output
     assert result.output.count("attention.impl=pallas runs in Pallas interpret mode") == 1
-    plain = CliRunner().invoke(app, ["run", "--steps", "1", "--run-dir", str(tmp_path / "x"),
-                                     "--set", "data.seq_len=64"])
+    plain = CliRunner().invoke(app, ["run", "tiny", "--steps", "1", "--run-dir",
+                                     str(tmp_path / "x"), "--set", "data.seq_len=64"])
+    assert plain.exit_code == 0, plain.output
     assert "interpret mode" not in plain.output
 
 
