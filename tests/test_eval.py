@@ -1,5 +1,6 @@
 """`lctrain eval`: the loss it prints is transformers' loss on the same batches."""
 
+import functools
 import io
 import json
 
@@ -65,6 +66,42 @@ EVAL_CASES = [("none", {"data": 1}), ("all_gather", {"data": 1, "context": 8}),
               ("usp", {"data": 1, "context": 8, "ulysses": 2})]
 
 
+EVAL_SETS = ["data.seq_len=64", "data.batch_size=4", "model.n_heads=8", "model.n_kv_heads=2",
+             "model.d_model=64", "attention.block_kv=8", "loss.chunk_tokens=16"]
+
+
+@functools.cache
+def hand_computed_bucket_sums():
+    """(params, each bucket's loss, correct and token sums) of the model every case builds
+    (the same recipe keys, Rngs(3)), computed once: dense logits, bucketed by hand."""
+    import jax
+    from flax import nnx
+
+    from lctrain.trainer.evaluation.evaluate import position_edges
+    from lctrain.trainer.model.transformer import Transformer
+
+    from test_model import model_logits
+    from test_strategies import fast_jit, mixed_batch
+
+    recipe = load_recipe("tiny", EVAL_SETS)
+    graphdef, state = nnx.split(Transformer(recipe.model, nnx.Rngs(3)))
+    params = nnx.to_pure_dict(state)
+    fixed = mixed_batch(recipe.model.vocab, 64)
+    fields = (fixed.inputs, fixed.positions, fixed.segment_ids)
+    logits = fast_jit(lambda p, *x: model_logits(p, graphdef, *x), params, *fields)
+    logits = np.asarray(logits(params, *fields), np.float64)
+    peak = logits.max(-1, keepdims=True)
+    log_partition = (np.log(np.exp(logits - peak).sum(-1, keepdims=True)) + peak)[..., 0]
+    target_logit = np.take_along_axis(logits, fixed.targets[..., None], -1)[..., 0]
+    losses, correct = log_partition - target_logit, logits.argmax(-1) == fixed.targets
+    edges = position_edges(64)
+    bucket = np.searchsorted(edges, fixed.positions, side="right") - 1
+    counted = fixed.loss_mask > 0
+    return params, {name: np.bincount(bucket[counted], values[counted], minlength=len(edges) - 1)
+                    for name, values in [("loss", losses), ("correct", correct),
+                                         ("tokens", np.ones_like(losses))]}
+
+
 @pytest.mark.parametrize("strategy, mesh", EVAL_CASES)
 def test_bucket_sums_equal_a_hand_computation(strategy, mesh):
     import jax
@@ -78,39 +115,26 @@ def test_bucket_sums_equal_a_hand_computation(strategy, mesh):
     from lctrain.trainer.model.transformer import Transformer
     from lctrain.trainer.state.step import BATCH_FIELDS
 
-    from test_model import model_logits
-    from test_strategies import mixed_batch
+    from test_strategies import fast_jit, mixed_batch
 
+    mesh = dict(mesh)
     ulysses = mesh.pop("ulysses", 1)
-    sets = [f"parallel.strategy={strategy}", "data.seq_len=64", "data.batch_size=4",
-            "model.n_heads=8", "model.n_kv_heads=2", "model.d_model=64", "attention.block_kv=8",
-            "loss.chunk_tokens=16", f"parallel.ulysses={ulysses}",
+    sets = [f"parallel.strategy={strategy}", *EVAL_SETS, f"parallel.ulysses={ulysses}",
             *[f"mesh.{axis}={size}" for axis, size in mesh.items()]]
     recipe = load_recipe("tiny", sets)
     devices = jax.devices()[:1] if strategy == "none" else jax.devices()
     device_mesh = mesh_for(recipe, devices)
-    graphdef, state = nnx.split(Transformer(recipe.model, nnx.Rngs(3)))
-    params = nnx.to_pure_dict(state)
+    graphdef = nnx.graphdef(Transformer(recipe.model, nnx.Rngs(3)))
+    params, expected = hand_computed_bucket_sums()
     fixed = mixed_batch(recipe.model.vocab, 64)
     source = SimpleNamespace(cfg=recipe.data, batch=lambda index, rows: Batch(
         *(getattr(fixed, name)[rows] for name in BATCH_FIELDS)))
     strategy_object = make_strategy(recipe, device_mesh)
     batch = device_batch(source, 0, strategy_object.sequence_order(64), device_mesh)
-    edges = position_edges(64)
-    sums = jax.jit(make_bucket_sums(recipe, graphdef, strategy_object, edges))(params, batch)
-
-    logits = np.asarray(model_logits(params, graphdef, fixed.inputs, fixed.positions,
-                                     fixed.segment_ids), np.float64)
-    peak = logits.max(-1, keepdims=True)
-    log_partition = (np.log(np.exp(logits - peak).sum(-1, keepdims=True)) + peak)[..., 0]
-    target_logit = np.take_along_axis(logits, fixed.targets[..., None], -1)[..., 0]
-    losses, correct = log_partition - target_logit, logits.argmax(-1) == fixed.targets
-    bucket = np.searchsorted(edges, fixed.positions, side="right") - 1
-    counted = fixed.loss_mask > 0
-    for name, values in [("loss", losses), ("correct", correct),
-                         ("tokens", np.ones_like(losses))]:
-        expected = np.bincount(bucket[counted], values[counted], minlength=len(edges) - 1)
-        np.testing.assert_allclose(np.asarray(sums[name]), expected, rtol=1e-5, atol=1e-4,
+    bucket_sums = make_bucket_sums(recipe, graphdef, strategy_object, position_edges(64))
+    sums = fast_jit(bucket_sums, params, batch)(params, batch)
+    for name, values in expected.items():
+        np.testing.assert_allclose(np.asarray(sums[name]), values, rtol=1e-5, atol=1e-4,
                                    err_msg=name)
 
 
