@@ -50,8 +50,7 @@ def estimate_note(recipe: Recipe, axis_sizes: dict[str, int]) -> str | None:
         reasons.append(notes["switched_layer_kinds"])
     if recipe.remat.compiler_remat_percent is not None:
         reasons.append(notes["compiler_remat"])
-    if (recipe.remat.tensors.get("context") == "offload"
-            and recipe.remat.layers_per_checkpoint == 1):
+    if recipe.remat.tensors.get("context") == "offload":
         reasons.append(notes["offloaded_context"])
     if not reasons:
         return None
