@@ -48,7 +48,7 @@ def stopped(command, signum, after_step):
     with sigint_not_ignored():
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                    text=True, env=subprocess_env())
-    deadline = time.time() + 120
+    deadline = time.time() + 300   # a start on a busy machine (minutes at load 14)
     while time.time() < deadline and max(logged_steps(Path(run_dir)), default=0) < after_step:
         time.sleep(0.05)
     process.send_signal(signum)
