@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 
+import jax
 import numpy as np
 import pytest
 
@@ -18,6 +19,18 @@ from lctrain.recipes import Recipe, load_recipe
 TINY_MODEL = ("model.preset=tiny", "model.layers=2", "model.d_model=128", "model.n_heads=8",
               "model.n_kv_heads=2", "model.d_ff=384", "model.vocab=128",
               "model.dtype=bfloat16", "data.seq_len=4096", "attention.impl=xla")
+
+
+# XLA:CPU's cheap optimization level: the tests' programs run in milliseconds, and LLVM's
+# full optimization took most of each one's compile. Numerics stay those of the dtypes.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def fast_jit(fn, *args):
+    """jit(fn) compiled for `args` with FAST_COMPILE (XLA:CPU's options; none elsewhere, e.g.
+    the kernels compiled by Mosaic on a TPU)."""
+    options = FAST_COMPILE if jax.default_backend() == "cpu" else None
+    return jax.jit(fn).lower(*args).compile(compiler_options=options)
 
 
 def one_worker(group: str) -> pytest.MarkDecorator:

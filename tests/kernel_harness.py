@@ -18,7 +18,7 @@ import pytest
 
 from lctrain.kernels import TOKENS_MAJOR, attention, row_dot
 from lctrain.kernels.jaxpr_walk import equations
-from helpers import assert_close
+from helpers import FAST_COMPILE, assert_close
 from reference import dense_attention, merge_partials
 
 # f32: max abs error bound for out, lse, dq, dk, dv (measured <= 3e-6).
@@ -31,7 +31,6 @@ BF16_LSE_TOL = 1e-4
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _EXECUTABLES = {}
 
 
@@ -42,7 +41,7 @@ def compiled(fn, *args, **static):
     if key not in _EXECUTABLES:
         lowered = jax.jit(fn, static_argnames=tuple(static)).lower(*args, **static)
         # The fast options are XLA:CPU's; on a TPU (the kernels compiled by Mosaic) none.
-        options = _FAST_COMPILE if jax.default_backend() == "cpu" else None
+        options = FAST_COMPILE if jax.default_backend() == "cpu" else None
         _EXECUTABLES[key] = lowered.compile(compiler_options=options)
     return _EXECUTABLES[key](*args)
 

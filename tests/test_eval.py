@@ -81,7 +81,8 @@ def hand_computed_bucket_sums():
     from lctrain.trainer.model.transformer import Transformer
 
     from test_model import model_logits
-    from test_strategies import fast_jit, mixed_batch
+    from helpers import fast_jit
+    from test_strategies import mixed_batch
 
     recipe = load_recipe("tiny", EVAL_SETS)
     graphdef, state = nnx.split(Transformer(recipe.model, nnx.Rngs(3)))
@@ -115,7 +116,8 @@ def test_bucket_sums_equal_a_hand_computation(strategy, mesh):
     from lctrain.trainer.model.transformer import Transformer
     from lctrain.trainer.state.step import BATCH_FIELDS
 
-    from test_strategies import fast_jit, mixed_batch
+    from helpers import fast_jit
+    from test_strategies import mixed_batch
 
     mesh = dict(mesh)
     ulysses = mesh.pop("ulysses", 1)

@@ -23,8 +23,8 @@ from lctrain.trainer.model.transformer import Transformer
 from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import make_forward
 
-from helpers import one_worker
-from test_strategies import fast_jit, loss_and_grads, mixed_batch, recipe_for
+from helpers import fast_jit, one_worker
+from test_strategies import loss_and_grads, mixed_batch, recipe_for
 
 E, HK, HV, DK, DV, KERNEL, SEQ = 32, 2, 4, 8, 8, 4, 24
 LINEAR_KEYS = [f"model.d_model={E}", f"model.linear_key_heads={HK}",

@@ -19,9 +19,9 @@ from lctrain.trainer.model.transformer import Transformer
 from lctrain.trainer.state.build import mesh_for
 from lctrain.trainer.state.step import make_forward
 
-from helpers import one_worker
+from helpers import fast_jit, one_worker
 from reference import dense_attention
-from test_strategies import (SEQ, assert_matches, fast_jit, loss_and_grads, mixed_batch,
+from test_strategies import (SEQ, assert_matches, loss_and_grads, mixed_batch,
                              recipe_for)
 
 # halo on mesh.context 4, load-balanced: window - 1 must fit in a stored chunk (64 / 8).

@@ -83,7 +83,7 @@ def model_logits(params, graphdef, tokens, positions, segments, policy=None):
 # what test_documents_do_not_see_each_other runs.
 @pytest.mark.parametrize("overrides", [{"n_kv_heads": 4}, {"n_kv_heads": 1, "layers": 3}])
 def test_forward_and_backward_match_the_reference(overrides):
-    from test_strategies import fast_jit
+    from helpers import fast_jit
 
     cfg = config(**overrides)
     graphdef, state = nnx.split(Transformer(cfg, nnx.Rngs(1)))

@@ -15,19 +15,10 @@ from lctrain.trainer.data.batches import Batch
 from lctrain.trainer.model.transformer import Transformer
 from lctrain.trainer.state.build import device_batch, mesh_for
 from lctrain.trainer.state.step import BATCH_FIELDS, make_loss_sums
+from helpers import fast_jit
 
 SEQ, BATCH = 64, 4
 RTOL, ATOL = 1e-5, 1e-6
-# XLA:CPU's cheap optimization level (as tests/kernel_harness.py compiles the kernels):
-# these programs run in milliseconds, and LLVM's full optimization took most of each
-# case's compile. Numerics stay f32's: the bounds above hold the same.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def fast_jit(fn, *args):
-    """jit(fn) compiled for `args` with FAST_COMPILE (XLA:CPU's options; none elsewhere)."""
-    options = FAST_COMPILE if jax.default_backend() == "cpu" else None
-    return jax.jit(fn).lower(*args).compile(compiler_options=options)
 
 
 def mixed_batch(vocab, seq):

@@ -235,7 +235,9 @@ def distractors(rng: np.random.Generator, budget: int, key_kind: str, value_kind
 def variable_tracking(hops: int = 4, chains: int = 1):
     """vt: a chain "VAR A = 12345", "VAR B = VAR A ", ... of `hops` hops, in order, among
     RULER's noise sentences; the outputs are the chain's variables in order. As RULER, an
-    example (3-letter variables among 5 noise sentences) with its answer goes first."""
+    example (3-letter variables) with its answer goes first; it has 5 noise sentences where
+    RULER fits as many as 500 tokens hold (10 with tests/data/ruler_lm_eval's tokenizer),
+    so its cost does not depend on the tokenizer."""
     noise = FILLER.strip() + "\n"
 
     def chain(rng: np.random.Generator, letters: int) -> tuple[list[str], list[str], str]:
