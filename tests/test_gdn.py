@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from helpers import assert_close
 from lctrain.kernels.gdn import (final_state, gated_delta_rule, recurrent_gated_delta_rule,
@@ -78,7 +79,6 @@ def test_chunked_matches_recurrence(chunk, seq):
 
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_chunked_matches_transformers(chunk):
-    torch = pytest.importorskip("torch")
     from transformers.models.qwen3_next.modeling_qwen3_next import (
         torch_chunk_gated_delta_rule)
     q, k, v, g, beta, state, *_ = inputs(70)
