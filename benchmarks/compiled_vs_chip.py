@@ -46,6 +46,7 @@ def measure(remat: str, seq_len: int) -> str:
         run = compile_run(recipe)  # on a TPU the compiler's own check only
     except Exception as err:  # noqa: BLE001 - XLA's refusal is the row
         return f"{head}  not compiled: {str(err).splitlines()[0][:160]}"
+    recipe = run.recipe
     analysis, stats = run.train_step.memory_analysis(), memory_stats(run.train_step)
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=0, holdout=0)
     order = run.strategy.sequence_order(seq_len)

@@ -59,6 +59,7 @@ def time_steps(model: str, seq_len: int, steps: int, sets: list[str]) -> dict:
         run = compile_run(recipe)
     except RunFailure as failure:
         return {**row, "error": str(failure).splitlines()[0]}
+    recipe = run.recipe  # auto resolved
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=0, holdout=0)
     order = run.strategy.sequence_order(seq_len)
     state = initial_state(recipe, run.trainable)

@@ -110,19 +110,26 @@ def choose_strategy(recipe: Recipe, axis_sizes: dict[str, int], device_memory: i
     return strategy, ulysses, reason
 
 
+def with_strategy(recipe: Recipe, strategy: Strategy, ulysses: int) -> Recipe:
+    """A copy of `recipe` naming `strategy` (a name, or a map kind -> name) with Ulysses
+    degree `ulysses`: a candidate of auto, or the strategy a run compiled. The recipe
+    itself is never written."""
+    return dataclasses.replace(recipe, parallel=dataclasses.replace(
+        recipe.parallel, strategy=strategy, ulysses=ulysses))
+
+
 def resolve_auto(recipe: Recipe, axis_sizes: dict[str, int], devices,
-                 device_memory: int) -> AutoChoice | None:
-    """Replaces parallel.strategy=auto (or auto for some kinds of a strategy map) in
-    `recipe` by the planner's pick for `devices`; returns the ranking and the sentence to
-    print (None when the recipe named every strategy)."""
+                 device_memory: int) -> tuple[Recipe, AutoChoice | None]:
+    """The recipe with parallel.strategy=auto (or auto for some kinds of a strategy map)
+    replaced by the planner's pick for `devices`, and the ranking and the sentence to print;
+    `recipe` itself and None when the recipe named every strategy."""
     if not wants_auto(recipe):
-        return None
+        return recipe, None
     order, reason = ranked_strategies(recipe, axis_sizes, device_memory,
                                       chip_for_device_kind(devices[0].device_kind),
                                       devices[0].platform)
-    recipe.parallel.strategy, recipe.parallel.ulysses = order[0]
-    return AutoChoice(order, f"parallel.strategy=auto chose "
-                             f"{strategy_name(*order[0])}: {reason}")
+    return with_strategy(recipe, *order[0]), AutoChoice(
+        order, f"parallel.strategy=auto chose {strategy_name(*order[0])}: {reason}")
 
 
 # ------------------------------------------------------- compiled fit check ----

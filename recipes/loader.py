@@ -8,6 +8,7 @@ so the CLI can print it as one line and exit 2 before anything is compiled.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import typing
 from importlib import resources
@@ -43,7 +44,7 @@ def _load(raw: dict[str, Any], overrides: list[str]) -> Recipe:
     _apply_overrides(raw, overrides)
     _fill_model_keys(raw)
     recipe = build(Recipe, raw, prefix="")
-    _derive_model_keys(recipe.model)
+    recipe = dataclasses.replace(recipe, model=_derived_model_keys(recipe.model))
     validate(recipe)
     return recipe
 
@@ -179,13 +180,17 @@ def _require_read_by(kind: Any, given: dict[str, Any], inherited: bool) -> None:
             f"{choices}, or remove the key")
 
 
-def _derive_model_keys(model: ModelConfig) -> None:
+def _derived_model_keys(model: ModelConfig) -> ModelConfig:
+    """The model with the keys that default to others' values filled in."""
     if model.head_dim is None and model.n_heads > 0:
         require(model.d_model % model.n_heads == 0, "model.d_model", model.d_model,
                  f"must be divisible by model.n_heads ({model.n_heads}), or set model.head_dim")
-        model.head_dim = model.d_model // model.n_heads
+        model = dataclasses.replace(model, head_dim=model.d_model // model.n_heads)
     if model.rope_scaling.original_max_position_embeddings is None:
-        model.rope_scaling.original_max_position_embeddings = model.max_position_embeddings
+        scaling = dataclasses.replace(
+            model.rope_scaling, original_max_position_embeddings=model.max_position_embeddings)
+        model = dataclasses.replace(model, rope_scaling=scaling)
+    return model
 
 
 def validate(recipe: Recipe) -> None:

@@ -65,7 +65,7 @@ def read_rope_scaling_keys(scaling: dict[str, Any]) -> dict[str, Any]:
 LAYER_KINDS = ("global", "sliding", "linear")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RopeScalingConfig:
     type: Literal["none", "linear", "llama3", "yarn"] = option(
         "none", "How positions are stretched past the context the model was trained for, as "
@@ -87,7 +87,7 @@ class RopeScalingConfig:
     truncate: bool = option(True, "yarn: round the ramp's ends to whole dimensions.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerGroupConfig:
     """One group of model.layer_pattern: `count` consecutive layers of one kind."""
     kind: Literal[LAYER_KINDS] = option(
@@ -108,7 +108,7 @@ class LayerGroupConfig:
               "its global layers' RoPE: false on sliding ones).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     init: str = option(
         "random", "'random' (seeded by train.seed), or 'hf:<dir>': a Hugging Face model folder "

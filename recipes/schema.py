@@ -41,7 +41,7 @@ KIND_ONLY_STRATEGIES = {"halo": "sliding", "state_passing": "linear"}
 LINEAR_STRATEGIES = ("none", "state_passing", "auto")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SourceConfig:
     """One component of a data mixture (data.sources)."""
     path: str = option(
@@ -61,7 +61,7 @@ class SourceConfig:
                "packs the documents that follow), instead of every seq_len-token window.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     seq_len: int = option(256, "Tokens per sequence.")
     batch_size: int = option(8, "Global batch size in sequences (all devices together).")
@@ -95,7 +95,7 @@ class DataConfig:
                "mean other text to the model, and the export would ship the data's tokenizer.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = option(300, "Optimizer steps in total (a resumed run continues to this count).")
     lr: float = option(3e-3, "Peak learning rate of AdamW.")
@@ -120,7 +120,7 @@ class TrainConfig:
         return min(self.warmup_steps, self.steps - 1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MeshConfig:
     data: int = option(-1, "Data-parallel degree; -1 fills the devices the other axes leave.")
     fsdp: int = option(1, "Fully-sharded data-parallel degree (parameters sharded over it).")
@@ -148,7 +148,7 @@ class MeshConfig:
         return self.dcn_data * self.dcn_fsdp
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     strategy: Literal[STRATEGY_NAMES] | dict[str, Literal[STRATEGY_NAMES]] = option(
         "none", "Context-parallel strategy; 'none' needs mesh.context == 1, the others but "
@@ -173,7 +173,7 @@ class ParallelConfig:
         return [("parallel.strategy", self.strategy)]
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionConfig:
     impl: Literal["xla", "pallas", "splash", "triton", "auto"] = option(
         "auto", "Attention kernel: auto (on TPU splash for every kernel call its tiles fit, "
@@ -190,7 +190,7 @@ class AttentionConfig:
         None, "Key/value block size of the blockwise kernels; null as for block_q.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RematConfig:
     policy: Literal["full", "minimal", "save_all", "custom"] = option(
         "full", "What each layer keeps for backward besides its input (the layer scan always "
@@ -225,7 +225,7 @@ class RematConfig:
               "TPU only (elsewhere it changes nothing).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     offload: bool = option(
         False, "Keep the AdamW moments (float32, 8 bytes per parameter) in pinned host memory; "
@@ -233,14 +233,14 @@ class OptimizerConfig:
                "are RAM: it runs, and saves nothing.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossConfig:
     chunk_tokens: int | None = option(
         None, "Tokens per chunk of the cross-entropy: the logits exist one chunk at a time "
               "(forward and backward); 0 computes them whole; null picks from data.seq_len.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     source: str | None = option(
         None, "Data `lctrain eval` reads (any data.source kind; a relative path is taken from "
@@ -285,13 +285,13 @@ class EvalConfig:
         return self.holdout if self.source is None else 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = option(100, "Save every N steps (and always at the end); 0 saves only at the end.")
     keep: int = option(3, "Checkpoints kept on disk; older ones are deleted.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RuntimeConfig:
     cpu_devices: int | Literal["auto"] = option(
         0, "Fake CPU devices to create (testing without accelerators); 0 leaves jax's default; "
@@ -300,7 +300,7 @@ class RuntimeConfig:
     log_every: int = option(10, "Print and record metrics every N steps.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -86,7 +86,7 @@ def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compil
     run = build.compile_run(recipe, devices, console, memory_limit=limit)
     printed = "\n".join(run.report)
     chosen = run.strategy.name
-    assert recipe.parallel.strategy == chosen and chosen in ranking[1:]
+    assert run.recipe.parallel.strategy == chosen and chosen in ranking[1:]
     needs = [memory_analysis_bytes(executable) for executable in executables[1:]]
     assert len(compiles) == len(needs) == ranking.index(chosen) + 1 and needs[0] == first_need
     assert run.train_step is executables[-1]

@@ -4,6 +4,7 @@ shorter than the sequence, its layer pattern repeats over the layers, its attent
 is not 1/sqrt(head_dim) and its linear RoPE scaling stretches the global layers only, so
 each of those would show if it were wrong."""
 
+import dataclasses
 import json
 
 import jax
@@ -127,7 +128,9 @@ def test_export_reloads_in_transformers_with_the_same_logits(gemma3, tmp_path):
 def test_export_refuses_rope_scaling_on_sliding_layers(gemma3):
     folder, _ = gemma3
     model = recipe_for(folder).model
-    model.layer_pattern[0].scale_rope = True
+    first, *rest = model.layer_pattern
+    model = dataclasses.replace(
+        model, layer_pattern=[dataclasses.replace(first, scale_rope=True), *rest])
     with pytest.raises(RecipeError, match=r"model.layer_pattern\[0\].scale_rope"):
         check_exportable(model)
 

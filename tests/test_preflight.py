@@ -1,6 +1,8 @@
 """Phase 2 of the checks (trainer/train/preflight.py): a run's files and devices are checked
 before anything is built or compiled, in a fixed order, and each failure names its key."""
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -35,7 +37,8 @@ def test_the_files_are_checked_before_the_devices(tmp_path, nothing_compiles):
                                   "parallel.strategy=ring", "data.seq_len=256"])
     with pytest.raises(RecipeError, match="data.source"):
         loop.train(recipe, tmp_path / "run")
-    recipe.data.source = "synthetic"
+    recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data,
+                                                                   source="synthetic"))
     with pytest.raises(RecipeError, match="mesh"):
         loop.train(recipe, tmp_path / "run")
 

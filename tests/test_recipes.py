@@ -343,3 +343,23 @@ def test_a_model_whose_shape_differs_from_its_preset_is_named_custom():
     assert load_recipe("tiny", ["model.rope_theta=500000"]).model.name == "tiny"
     assert load_recipe("tiny", ["model.layers=3"]).model.name == "custom (from tiny)"
     assert load_recipe("tiny", ["model.head_dim=32"]).model.name == "custom (from tiny)"
+
+
+def test_nothing_writes_into_a_loaded_recipe():
+    """Resolve once (#49): a recipe is frozen, every section of it; what a run resolves
+    (auto's strategy, a fallback kernel) is a new recipe made with dataclasses.replace."""
+    recipe = load_recipe("tiny", ["parallel.strategy=auto"])
+    for section in dataclasses.fields(recipe):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(recipe, section.name, getattr(recipe, section.name))
+        part = getattr(recipe, section.name)
+        key = dataclasses.fields(part)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(part, key, getattr(part, key))
+    for part, key in ((recipe.model.rope_scaling, "factor"), (LayerGroupConfig(), "count"),
+                      (SourceConfig(), "path")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(part, key, getattr(part, key))
+    ring = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel,
+                                                                     strategy="ring"))
+    assert (recipe.parallel.strategy, ring.parallel.strategy) == ("auto", "ring")

@@ -30,7 +30,9 @@ def recipe_for_plan(recipe: Recipe, p: StrategyPlan) -> Recipe:
     layer kinds its strategy per kind."""
     variant = recipe_for_strategy(recipe, p.strategy, p.ulysses)
     if p.kinds is not None:
-        variant.parallel.strategy = {kind: part.strategy for kind, part in p.kinds.items()}
+        parallel = dataclasses.replace(
+            variant.parallel, strategy={kind: part.strategy for kind, part in p.kinds.items()})
+        variant = dataclasses.replace(variant, parallel=parallel)
     return variant
 
 

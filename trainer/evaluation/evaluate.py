@@ -27,7 +27,7 @@ from lctrain.trainer.evaluation.ruler import (cell_score, check_eval_task, is_ru
 from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.model.loss import token_scores
 from lctrain.trainer.outputs.progress import Bar, tracked
-from lctrain.trainer.state.build import abstract_batch, device_batch, mesh_for
+from lctrain.trainer.state.build import abstract_batch, device_batch, resolved_mesh
 from lctrain.trainer.state.step import build_trainable, make_forward
 
 POSITION_BUCKETS = 16
@@ -157,7 +157,7 @@ def evaluate(recipe: Recipe, run_dir: Path | None, step: int | None = None,
              console: Console | None = None) -> dict:
     """`lctrain eval`: the run dir's checkpoint (or model.init's weights) evaluated."""
     check_eval_task(recipe)
-    mesh = mesh_for(recipe, console=console, evaluating=True)
+    recipe, mesh = resolved_mesh(recipe, console=console, evaluating=True)
     trainable = build_trainable(recipe, mesh)
     params, origin = load_weights(recipe, trainable, run_dir, step, console)
     return Evaluator(recipe, mesh, trainable.graphdef)(params, origin, console)
@@ -183,7 +183,7 @@ def compile_eval_step(recipe: Recipe, devices) -> jax.stages.Compiled:
     """The compiled evaluation step of `lctrain eval` (forward only, loss and accuracy by
     position at eval.seq_len) on `devices` (a TPU topology's, parallel/aot.py), lowered with
     abstract parameters and batch."""
-    mesh = mesh_for(recipe, devices)
+    recipe, mesh = resolved_mesh(recipe, devices)
     recipe = recipe.for_evaluation()
     trainable = build_trainable(recipe, mesh)
     bucket_sums = jax.jit(make_bucket_sums(recipe, trainable.graphdef,

@@ -26,7 +26,7 @@ from lctrain.trainer.hf.safetensors_io import INDEX_FILE, write_folder
 from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.outputs.files import written_into
 from lctrain.trainer.outputs.progress import Bar
-from lctrain.trainer.state.build import mesh_for
+from lctrain.trainer.state.build import resolved_mesh
 from lctrain.trainer.state.step import build_trainable
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
@@ -47,7 +47,7 @@ def export_run(recipe: Recipe, run_dir: Path, out_dir: Path, step: int | None = 
     tokenizer the CLI chose (provenance.shipped_tokenizer); returns the files written and
     which checkpoint it was. Progress goes to `console`."""
     check_exportable(recipe.model)
-    mesh = mesh_for(recipe)
+    recipe, mesh = resolved_mesh(recipe)
     params, origin = load_weights(recipe, build_trainable(recipe, mesh), run_dir, step,
                                   console)
     return export_hf(recipe, params, out_dir, dtype, console=console,

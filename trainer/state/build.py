@@ -23,7 +23,7 @@ from lctrain.parallel.aot import memory_stats
 from lctrain.parallel.chips import LOAD_RESERVE_BYTES, compile_options_for
 from lctrain.parallel.auto import (CompiledNeed, compiler_failed, compiler_failure,
                                    first_that_fits, none_fits, refused_need,
-                                   shortfall, strategy_name)
+                                   shortfall, strategy_name, with_strategy)
 from lctrain.recipes import Recipe
 from lctrain.trainer.data.batches import Batch, DataSource
 from lctrain.trainer.model.remat import compiler_options
@@ -39,18 +39,32 @@ from lctrain.trainer.state.step import (BATCH_FIELDS, Trainable, batch_shardings
 def mesh_for(recipe: Recipe, devices=None, console: Console | None = None,
              evaluating: bool = False) -> Mesh:
     """The recipe's mesh on `devices` (default: all), once the device checks pass
-    (device_checks.check_devices: RecipeError before anything compiles; auto resolved)."""
+    (device_checks.check_devices: RecipeError before anything compiles)."""
+    return resolved_mesh(recipe, devices, console, evaluating)[1]
+
+
+def resolved_mesh(recipe: Recipe, devices=None, console: Console | None = None,
+                  evaluating: bool = False, plan: DevicePlan | None = None
+                  ) -> tuple[Recipe, Mesh]:
+    """The recipe as it runs on `devices` (default: all), auto replaced by its choice, and
+    its mesh, once the device checks pass. `plan` is what they found for this recipe when
+    the caller ran them (trainer/train/preflight.py): they then do not run again."""
     devices = jax.devices() if devices is None else devices
-    sizes, _ = check_devices(recipe, devices, console, evaluating)
-    return build_mesh(sizes, recipe.parallel.ulysses, devices, recipe.mesh.dcn_sizes())
+    if plan is None or plan.recipe != recipe:
+        plan = check_devices(recipe, devices, console, evaluating)
+    recipe = plan.recipe
+    return recipe, build_mesh(plan.sizes, recipe.parallel.ulysses, devices,
+                              recipe.mesh.dcn_sizes())
 
 
 class CompiledRun(NamedTuple):
-    """A run's mesh, strategy and state, and its train step compiled once for them."""
+    """A run's mesh, strategy and state, and its train step compiled once for them; the
+    recipe they were built from (auto resolved, the attention kernel that fitted)."""
     mesh: Mesh
     strategy: LayerStrategies
     trainable: Trainable
     train_step: jax.stages.Compiled
+    recipe: Recipe
     report: tuple[str, ...] = ()  # what compiling said: fall-backs, the compiled figure
 
 
@@ -60,10 +74,11 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
     first choice, then of the next while it does not fit) and prints the compiled figure.
     On a TPU a program fits when XLA compiles it; elsewhere when XLA's figure is within
     `memory_limit` per device, by default the GPU's memory, and none on CPU (fake devices
-    share the host's RAM). The recipe ends up naming the strategy that runs. `plan` is
-    what the device checks found, when the caller ran them (trainer/train/preflight.py)."""
+    share the host's RAM). The run's recipe (CompiledRun.recipe) names the strategy that
+    runs; `recipe` itself is left as it is. `plan` is what the device checks found, when
+    the caller ran them (trainer/train/preflight.py): they run once per candidate at most."""
     devices = jax.devices() if devices is None else devices
-    _, candidates = plan or check_devices(recipe, devices, console)
+    plan = plan or check_devices(recipe, devices, console)
     platform = devices[0].platform
     if memory_limit is None and platform in ("tpu", "gpu"):
         memory_limit = allocator_limit(devices) or device_memory_bytes(devices)
@@ -76,11 +91,11 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
 
     def compile_candidate(strategy: str, ulysses: int) -> tuple[CompiledRun | None,
                                                                  CompiledNeed]:
-        recipe.parallel.strategy, recipe.parallel.ulysses = strategy, ulysses
+        candidate = with_strategy(recipe, strategy, ulysses)
         name = strategy_name(strategy, ulysses)
         start = time.perf_counter()
         try:
-            run = build_kernel_that_fits(recipe, devices, console, report.append)
+            run = build_kernel_that_fits(candidate, devices, console, report.append, plan)
         except Exception as err:  # XLA's TPU compiler refuses a program over HBM
             if not is_out_of_memory(err):
                 failed = compiler_failure(name, err)
@@ -95,7 +110,7 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
         return run, need
 
     report: list[str] = []
-    found = first_that_fits(candidates, compile_candidate, compared_limit, report.append)
+    found = first_that_fits(plan.candidates, compile_candidate, compared_limit, report.append)
     if isinstance(found, list):
         print_lines(console, report)
         if all(map(compiler_failed, found)):
@@ -111,12 +126,13 @@ SAFE_ATTENTION = dict(impl="pallas", block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLO
 
 
 def build_kernel_that_fits(recipe: Recipe, devices, console: Console | None,
-                           say) -> CompiledRun:
+                           say, plan: DevicePlan | None = None) -> CompiledRun:
     """build_run, and on a scoped-VMEM failure (a kernel's tiles, not HBM) either once
-    more with SAFE_ATTENTION, where the recipe left the kernel or its blocks unset, or a
-    RunFailure naming the kernel and its tiles."""
+    more with SAFE_ATTENTION, where the recipe left the kernel or its blocks unset (the
+    CompiledRun's recipe then names it), or a RunFailure naming the kernel and its tiles.
+    `plan`: as build_run's."""
     try:
-        return build_run(recipe, devices, console)
+        return build_run(recipe, devices, console, plan=plan)
     except Exception as err:
         if not is_scoped_vmem_oom(err):
             raise
@@ -127,15 +143,17 @@ def build_kernel_that_fits(recipe: Recipe, devices, console: Console | None,
             raise RunFailure(kernel_tiles_message(tried)) from err
         say(f"{tried} does not fit the chip's scoped VMEM; trying attention.impl=pallas "
             f"with blocks of {DEFAULT_BLOCK}")
-        recipe.attention = dataclasses.replace(a, **SAFE_ATTENTION)
-        return build_run(recipe, devices, console)
+        safe = dataclasses.replace(recipe, attention=dataclasses.replace(a, **SAFE_ATTENTION))
+        return build_run(safe, devices, console, plan=plan)
 
 
-def build_run(recipe: Recipe, devices, console: Console | None = None) -> CompiledRun:
+def build_run(recipe: Recipe, devices, console: Console | None = None,
+              plan: DevicePlan | None = None) -> CompiledRun:
     """The recipe's mesh, strategy and state, and its train step compiled for them (lowered
     with abstract state and batch): what a run trains with, and what `lctrain plan
-    --compile` measures (parallel/aot.py)."""
-    mesh = mesh_for(recipe, devices)
+    --compile` measures (parallel/aot.py). The device checks run unless `plan` holds what
+    they found for this very recipe (resolved_mesh)."""
+    recipe, mesh = resolved_mesh(recipe, devices, plan=plan)
     strategy = make_strategy(recipe, mesh)
     trainable = build_trainable(recipe, mesh)
     step = make_train_step(recipe, trainable, strategy, mesh)
@@ -143,7 +161,7 @@ def build_run(recipe: Recipe, devices, console: Console | None = None) -> Compil
     options = compiler_options(recipe, device.platform) | compile_options_for(device)
     compiled = step.lower(trainable.abstract_state, abstract_batch(recipe, mesh)).compile(
         options)
-    return CompiledRun(mesh, strategy, trainable, compiled)
+    return CompiledRun(mesh, strategy, trainable, compiled, recipe)
 
 
 def print_lines(console: Console | None, lines) -> None:

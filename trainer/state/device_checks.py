@@ -26,22 +26,26 @@ from lctrain.trainer.model.remat import layer_input_pieces, tpu_compiler_setting
 
 
 class DevicePlan(NamedTuple):
-    """What the device checks found: the mesh's axis sizes, and the strategies to try, best
-    first (auto's ranking, else the recipe's own)."""
+    """What the device checks found: the mesh's axis sizes, the strategies to try, best
+    first (auto's ranking, else the recipe's own), and the recipe they checked: the one
+    given, with auto replaced by its first choice."""
     sizes: dict[str, int]
     candidates: list[tuple[str, int]]
+    recipe: Recipe
 
 
 def check_devices(recipe: Recipe, devices=None, console: Console | None = None,
                   evaluating: bool = False) -> DevicePlan:
     """RecipeError unless the recipe runs on `devices` (default: all): their count and
-    slices, auto's choice (printed, and written into the recipe), each strategy's own
-    limits on this platform, host memory for offload and libtpu's limit on one offloaded
-    piece. Evaluation (`evaluating`, or
+    slices, auto's choice (printed; the plan's recipe names it, `recipe` is left as it
+    is), each strategy's own limits on this platform, host memory for offload and libtpu's
+    limit on one offloaded piece. Evaluation (`evaluating`, or
     eval.every in training) is checked at eval.seq_len."""
     devices = jax.devices() if devices is None else devices
     sizes = check_against_devices(recipe, len(devices), slice_count(devices))
-    choice = resolve_auto(recipe, sizes, devices, device_memory_bytes(devices))
+    recipe, choice = resolve_auto(recipe, sizes, devices, device_memory_bytes(devices))
+    if choice:  # the mesh's checks of the strategy chosen (auto itself passes them by)
+        check_against_devices(recipe, len(devices), slice_count(devices))
     if choice and console:
         console.print(choice.sentence, soft_wrap=True, markup=False)
     platform = devices[0].platform
@@ -54,7 +58,7 @@ def check_devices(recipe: Recipe, devices=None, console: Console | None = None,
     if not evaluating:  # a forward alone saves nothing for a backward, offloads nothing
         check_offload_piece(recipe, sizes, platform)
     return DevicePlan(sizes, choice.ranked if choice
-                      else [(recipe.parallel.strategy, recipe.parallel.ulysses)])
+                      else [(recipe.parallel.strategy, recipe.parallel.ulysses)], recipe)
 
 
 def _check_strategies(recipe: Recipe, sizes: dict[str, int], platform: str,

@@ -58,14 +58,19 @@ def train(recipe: Recipe, run_dir: Path, console: Console | None = None,
 
 class FirstStepOutOfMemory(DoesNotFit):
     """The first step found the devices full: its program did not load beside the state and
-    the batches although the compiler accepted it. Nothing was trained or saved."""
+    the batches although the compiler accepted it. Nothing was trained or saved. `ran`:
+    the (strategy, ulysses degree) whose program it was."""
+
+    def __init__(self, message: str, ran: tuple = ()):
+        super().__init__(message)
+        self.ran = ran
 
 
 def _next_candidate(recipe: Recipe, checked: RunPlan, failure: FirstStepOutOfMemory,
                     console: Console) -> RunPlan:
     """The checks with the strategies after the one that ran out of memory (auto's next,
     as when its compiled figure did not fit); the failure itself when none is left."""
-    ran = (recipe.parallel.strategy, recipe.parallel.ulysses)
+    ran = failure.ran
     candidates = checked.devices.candidates
     rest = candidates[candidates.index(ran) + 1:] if ran in candidates else []
     if not rest:
@@ -77,11 +82,13 @@ def _next_candidate(recipe: Recipe, checked: RunPlan, failure: FirstStepOutOfMem
 
 def _train_checked(recipe: Recipe, run_dir: Path, console: Console, devices,
                    memory_limit: int | None, checked: RunPlan) -> list[dict]:
-    """train() once its checks passed and it holds the run dir."""
+    """train() once its checks passed and it holds the run dir. From compiling on, the
+    recipe is the run's: auto resolved, the attention kernel that fitted."""
     is_main = jax.process_index() == 0
     init_from = checked.init_from
-    mesh, strategy, trainable, train_step, compile_report = compile_run(
-        recipe, devices, console, memory_limit, checked.devices)
+    run = compile_run(recipe, devices, console, memory_limit, checked.devices)
+    recipe, mesh, strategy, trainable = run.recipe, run.mesh, run.strategy, run.trainable
+    train_step, compile_report = run.train_step, run.report
     source = make_source(recipe.data, vocab=recipe.model.vocab, seed=recipe.train.seed,
                          holdout=recipe.eval.data_holdout)
     evaluator = None
@@ -279,8 +286,11 @@ def _step(train_step, state: TrainState, batch, recipe: Recipe, wait: bool):
             jax.block_until_ready(metrics)
     except Exception as err:
         if is_out_of_memory(err):
-            failure = FirstStepOutOfMemory if wait else DoesNotFit
-            raise failure(out_of_memory_message(err, recipe)) from err
+            message = out_of_memory_message(err, recipe)
+            if wait:
+                raise FirstStepOutOfMemory(
+                    message, (recipe.parallel.strategy, recipe.parallel.ulysses)) from err
+            raise DoesNotFit(message) from err
         raise
     return state, metrics
 
