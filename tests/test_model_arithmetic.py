@@ -1,12 +1,18 @@
 """The model's arithmetic (parallel/model_arithmetic.py), counted by hand, and read by both
 the run's MFU and the planner's step time."""
 
+import math
+from pathlib import Path
+
+import jax
 import pytest
+import yaml
 
 from helpers import TINY_MODEL, tiny_recipe
 from lctrain.parallel import planner
 from lctrain.parallel.chips import CHIPS
 from lctrain.parallel.model_arithmetic import count_parameters, training_flops_per_token
+from lctrain.recipes import MODEL_PRESETS, load_recipe
 from lctrain.trainer.train import loop
 
 # helpers.TINY_MODEL by hand: 2 layers of width 128, 8 query and 2 KV heads of 16, d_ff
@@ -36,3 +42,32 @@ def test_the_planner_and_the_run_count_the_same_model_flops():
                             CHIPS["v5p"], "ring")
     per_device = 2 * 4096 * loop.training_flops_per_token(recipe.model, 4096) / 4
     assert plan.model_flops == pytest.approx(per_device, rel=1e-12)
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+# What the parameter inventory must count: every preset, every shipped recipe whose shape
+# is its own (not a Hugging Face folder's: their layer patterns, sliding, global, linear),
+# and the options that add parameters (Qwen2's biases were once left out).
+SHAPES = {
+    **{preset: ("tiny", [f"model.preset={preset}"]) for preset in MODEL_PRESETS},
+    **{path.name: (str(path), []) for path in sorted(RECIPES.glob("*.yaml"))
+       if "init" not in (yaml.safe_load(path.read_text()).get("model") or {})},
+    "qwen2_qkv_bias": ("tiny", ["model.qkv_bias=true"]),
+    "qk_norm": ("tiny", ["model.qk_norm=true"]),
+    "gemma_norms_tied": ("tiny", ["model.post_norms=true", "model.tie_embeddings=true"]),
+    "qwen3_next_gate": ("tiny", ["model.attention_output_gate=true",
+                                 "model.partial_rotary_factor=0.25"]),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_parameter_count_is_what_the_model_creates(shape):
+    """The one parameter inventory (parallel/model_arithmetic.py, which the planner and the
+    run's MFU read) against the parameters the model itself creates, abstractly."""
+    from flax import nnx
+
+    from lctrain.trainer.model.transformer import Transformer
+    recipe = load_recipe(*SHAPES[shape])
+    model = nnx.eval_shape(lambda: Transformer(recipe.model, nnx.Rngs(0)))
+    created = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert count_parameters(recipe.model) == created
