@@ -1,4 +1,4 @@
-"""Makes tests/data/ruler_lm_eval/: lm-eval's own RULER samples, frozen for tests/test_ruler.py
+"""Makes tests/data/ruler_lm_eval/: lm-eval's own RULER samples, frozen for tests/test_ruler_lm_eval.py
 (not run by the suite). Run it with lm-eval's Python, not lctrain's:
 
     python3.11 -m venv /tmp/lmeval
