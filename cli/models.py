@@ -98,7 +98,9 @@ def eval_(
     eval.source (default data.source), forward only, on the recipe's mesh and strategy.
     With eval.task needle or passkey, also retrieval of a needle (a key-value sentence, or
     five digits) by haystack length and depth: a table and <task>_heatmap.png, one depth
-    per row and one length per column. Writes eval.json and loss_by_position.png
+    per row and one length per column. With eval.task ruler (or one RULER task, or
+    eval.samples), RULER's scores by task and length, their average and the effective
+    length: a table, ruler.json and ruler.png. Writes eval.json and loss_by_position.png
     (docs/evaluation.md)."""
     run_dir = run_dir or default_run_dir(recipe)
     from_run = recipe is None and (run_dir / "recipe.yaml").is_file()
