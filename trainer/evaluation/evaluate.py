@@ -107,6 +107,7 @@ class Evaluator:
         misses = jax.device_get(self.string_misses(
             params, device_batch(source, 0, self.order, self.mesh), slots))
         return misses[1:strings + 1] == 0
+
     def ruler(self, params, origin: str, console: Console | None = None) -> dict:
         """RULER's score (%) per task and length, their averages and the effective length."""
         data = self.recipe.data
