@@ -253,7 +253,8 @@ def test_help_writes_no_type_after_a_flag(command):
 @pytest.mark.parametrize("command, phrases", [
     ("eval", ["With eval.task needle or passkey, also retrieval", "<task>_heatmap.png, one "
               "depth per row and one length per column", "loss_by_position.png",
-              "never the run dir, its data's or model.init's folder"]),
+              "never the run dir, its data's or model.init's folder",
+              "effective length: a table, ruler.json and ruler.png"]),
     ("run", ["One run at a time per run dir; Ctrl-C or SIGTERM saves a checkpoint"]),
     ("plan", ["the recipe's own first, and a recommendation", "estimate's error"]),
     ("tokenize", ["names the tokenizer (with a fingerprint)"]),
