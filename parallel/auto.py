@@ -110,14 +110,6 @@ def choose_strategy(recipe: Recipe, axis_sizes: dict[str, int], device_memory: i
     return strategy, ulysses, reason
 
 
-def with_strategy(recipe: Recipe, strategy: Strategy, ulysses: int) -> Recipe:
-    """A copy of `recipe` naming `strategy` (a name, or a map kind -> name) with Ulysses
-    degree `ulysses`: a candidate of auto, or the strategy a run compiled. The recipe
-    itself is never written."""
-    return dataclasses.replace(recipe, parallel=dataclasses.replace(
-        recipe.parallel, strategy=strategy, ulysses=ulysses))
-
-
 def resolve_auto(recipe: Recipe, axis_sizes: dict[str, int], devices,
                  device_memory: int) -> tuple[Recipe, AutoChoice | None]:
     """The recipe with parallel.strategy=auto (or auto for some kinds of a strategy map)
@@ -128,7 +120,7 @@ def resolve_auto(recipe: Recipe, axis_sizes: dict[str, int], devices,
     order, reason = ranked_strategies(recipe, axis_sizes, device_memory,
                                       chip_for_device_kind(devices[0].device_kind),
                                       devices[0].platform)
-    return with_strategy(recipe, *order[0]), AutoChoice(
+    return recipe.with_strategy(*order[0]), AutoChoice(
         order, f"parallel.strategy=auto chose {strategy_name(*order[0])}: {reason}")
 
 

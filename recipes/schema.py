@@ -328,6 +328,12 @@ class Recipe:
         raw["model"]["rope_scaling"] = read_rope_scaling_keys(raw["model"]["rope_scaling"])
         return raw
 
+    def with_strategy(self, strategy: str | dict[str, str], ulysses: int) -> "Recipe":
+        """A copy naming `strategy` (a name, or a map kind -> name) with Ulysses degree
+        `ulysses`: a candidate of auto, a plan's strategy, the strategy a run compiled."""
+        return dataclasses.replace(self, parallel=dataclasses.replace(
+            self.parallel, strategy=strategy, ulysses=ulysses))
+
     def for_evaluation(self) -> "Recipe":
         """The recipe as evaluation reads data: eval.source and eval.seq_len in place of
         data's."""

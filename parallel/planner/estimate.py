@@ -20,9 +20,7 @@ def recipe_for_strategy(recipe: Recipe, strategy: str, ulysses: int = 1) -> Reci
     """A copy of the recipe running `strategy` (with Ulysses degree `ulysses` where the
     strategy takes one)."""
     takes_degree = STRATEGIES[strategy].takes_ulysses_degree
-    parallel = dataclasses.replace(recipe.parallel, strategy=strategy,
-                                   ulysses=ulysses if takes_degree else 1)
-    return dataclasses.replace(recipe, parallel=parallel)
+    return recipe.with_strategy(strategy, ulysses if takes_degree else 1)
 
 
 def recipe_for_plan(recipe: Recipe, p: StrategyPlan) -> Recipe:
@@ -30,9 +28,8 @@ def recipe_for_plan(recipe: Recipe, p: StrategyPlan) -> Recipe:
     layer kinds its strategy per kind."""
     variant = recipe_for_strategy(recipe, p.strategy, p.ulysses)
     if p.kinds is not None:
-        parallel = dataclasses.replace(
-            variant.parallel, strategy={kind: part.strategy for kind, part in p.kinds.items()})
-        variant = dataclasses.replace(variant, parallel=parallel)
+        variant = variant.with_strategy({kind: part.strategy for kind, part in p.kinds.items()},
+                                        variant.parallel.ulysses)
     return variant
 
 

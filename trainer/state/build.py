@@ -23,7 +23,7 @@ from lctrain.parallel.aot import memory_stats
 from lctrain.parallel.chips import LOAD_RESERVE_BYTES, compile_options_for
 from lctrain.parallel.auto import (CompiledNeed, compiler_failed, compiler_failure,
                                    first_that_fits, none_fits, refused_need,
-                                   shortfall, strategy_name, with_strategy)
+                                   shortfall, strategy_name)
 from lctrain.recipes import Recipe
 from lctrain.trainer.data.batches import Batch, DataSource
 from lctrain.trainer.model.remat import compiler_options
@@ -91,7 +91,7 @@ def compile_run(recipe: Recipe, devices=None, console: Console | None = None,
 
     def compile_candidate(strategy: str, ulysses: int) -> tuple[CompiledRun | None,
                                                                  CompiledNeed]:
-        candidate = with_strategy(recipe, strategy, ulysses)
+        candidate = recipe.with_strategy(strategy, ulysses)
         name = strategy_name(strategy, ulysses)
         start = time.perf_counter()
         try:
