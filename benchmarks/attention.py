@@ -71,10 +71,10 @@ def attention_loss(impl: str, platform: str | None, block: int | tuple[int, int]
     return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
-def shapes(seq_len: int, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
-    return (jax.ShapeDtypeStruct((1, seq_len, HEADS, HEAD_DIM), dtype),
-            jax.ShapeDtypeStruct((1, seq_len, KV_HEADS, HEAD_DIM), dtype),
-            jax.ShapeDtypeStruct((1, seq_len, KV_HEADS, HEAD_DIM), dtype),
+def shapes(seq_len: int, dtype, head_dim: int = HEAD_DIM) -> tuple[jax.ShapeDtypeStruct, ...]:
+    return (jax.ShapeDtypeStruct((1, seq_len, HEADS, head_dim), dtype),
+            jax.ShapeDtypeStruct((1, seq_len, KV_HEADS, head_dim), dtype),
+            jax.ShapeDtypeStruct((1, seq_len, KV_HEADS, head_dim), dtype),
             jax.ShapeDtypeStruct((1, seq_len), jnp.int32),
             jax.ShapeDtypeStruct((1, seq_len), jnp.int32))
 
@@ -97,8 +97,8 @@ def ids(seq_len: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
             np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32))
 
 
-def causal_flops(seq_len: int, layout: str = "causal") -> float:
-    forward = sum(4 * (n * n / 2) * HEADS * HEAD_DIM for n in document_lengths(seq_len, layout))
+def causal_flops(seq_len: int, layout: str = "causal", head_dim: int = HEAD_DIM) -> float:
+    forward = sum(4 * (n * n / 2) * HEADS * head_dim for n in document_lengths(seq_len, layout))
     return 3.5 * forward
 
 
@@ -113,11 +113,11 @@ def cudnn_loss():
 
 
 def time_impl(impl: str, seq_len: int, block: int | tuple[int, int], repeats: int, dtype,
-              layout: str = "causal") -> float:
+              layout: str = "causal", head_dim: int = HEAD_DIM) -> float:
     """Median seconds of one forward+backward on the default backend."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(s.shape), s.dtype)
-               for s in shapes(seq_len, dtype)[:3])
+               for s in shapes(seq_len, dtype, head_dim)[:3])
     step = jax.jit(cudnn_loss() if impl == "cudnn" else attention_loss(impl, None, block))
     args = (q, k, v, *map(jnp.asarray, ids(seq_len, layout)))
     jax.block_until_ready(step(*args))

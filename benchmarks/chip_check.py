@@ -10,7 +10,8 @@ Sections (each prints its rows as it goes; --json writes them after every row):
   one causal document and four packed ones (benchmarks/attention.py --check-seq-len),
   with blocks of 512 and of 1024.
 - blocks: forward+backward TFLOP/s of one causal sequence per kernel and block pair
-  (block_q x block_kv) at --block-seq-lens: what kernels/tiles.py's table is made from.
+  (block_q x block_kv) at --block-seq-lens, heads of --block-head-dim: what
+  kernels/tiles.py's table is made from.
 - run: `lctrain run` of the default recipe on one chip, 20 steps: its losses must fall
   and its step times be finite.
 - max_seq: for each remat of recipes/one_chip.yaml (--max-seq-recipes), `lctrain run` of
@@ -46,7 +47,7 @@ import step  # noqa: E402  (benchmarks/step.py)
 
 SECTIONS = ("accuracy", "blocks", "run", "max_seq", "mfu")
 BLOCKS = {"pallas": [(512, 512), (1024, 1024), (1024, 512), (512, 1024), (2048, 512),
-                     (512, 2048)],
+                     (512, 2048), (1024, 2048), (2048, 1024), (2048, 2048)],
           "splash": [(512, 512), (1024, 1024)]}
 # recipes/one_chip.yaml under each remat the fit rule must hold for, with the lengths to
 # try: the longest the compiler for v5e:1x1 (the chip's own compile) accepts and the
@@ -73,11 +74,13 @@ def blocks(args, emit) -> None:
     for seq_len in args.block_seq_lens:
         for impl, pairs in BLOCKS.items():
             for block in pairs:
-                row = dict(impl=impl, seq_len=seq_len, block_q=block[0], block_kv=block[1])
+                row = dict(impl=impl, seq_len=seq_len, block_q=block[0], block_kv=block[1],
+                           head_dim=args.block_head_dim)
                 try:
-                    seconds = attention.time_impl(impl, seq_len, block, 3, jnp.bfloat16)
-                    row.update(seconds=seconds,
-                               tflops=attention.causal_flops(seq_len) / seconds / 1e12)
+                    seconds = attention.time_impl(impl, seq_len, block, 3, jnp.bfloat16,
+                                                  head_dim=args.block_head_dim)
+                    flops = attention.causal_flops(seq_len, head_dim=args.block_head_dim)
+                    row.update(seconds=seconds, tflops=flops / seconds / 1e12)
                 except Exception as err:  # noqa: BLE001 - VMEM, or splash's block map
                     row["error"] = str(err).splitlines()[0][:200]
                 emit(row)
@@ -139,6 +142,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--block-seq-lens", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--block-head-dim", type=int, default=attention.HEAD_DIM,
+                        help="heads of this width (32 query / 8 KV heads); 64 is Llama 3.2 1B's")
     parser.add_argument("--max-seq-recipes", nargs="+", default=list(REMATS), choices=REMATS)
     parser.add_argument("--max-seq-lens", type=int, nargs="+", default=None,
                         help="lengths to try for every remat (default: REMATS' own)")
