@@ -78,7 +78,7 @@ def out_of_device_memory(figure: str, recipe=None) -> str:
 
 def memory_savers(recipe=None) -> list[str]:
     """What lowers a step's device memory, leaving out what `recipe` already does."""
-    savers = ["lower data.seq_len", "raise mesh.context"]
+    savers = ["lower data.seq_len", "spread the sequence over more chips (mesh.context)"]
     if recipe is None or recipe.remat.tensors.get("decoder_layer_input") != "offload":
         savers.append("offload the layer inputs (remat.policy=custom, "
                       "remat.tensors={decoder_layer_input: offload})")
