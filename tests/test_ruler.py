@@ -13,7 +13,8 @@ import pytest
 
 from lctrain.recipes import RecipeError, load_recipe
 from lctrain.trainer.data.batches import decode_tokens
-from lctrain.trainer.evaluation.ruler import effective_length, generated_cells, ruler_summary
+from lctrain.trainer.evaluation.ruler import (check_ruler, effective_length, generated_cells,
+                                              ruler_summary, unfit_lengths)
 from lctrain.trainer.evaluation.ruler_tasks import TASKS
 from lctrain.trainer.state.step import BATCH_FIELDS
 
@@ -83,6 +84,15 @@ def test_a_task_longer_than_its_length_is_an_error():
     with pytest.raises(RecipeError, match=r"eval.task cwe at 4,096 tokens: the sample takes "
                                           r"[\d,]+ tokens, more than the 4,096"):
         next(generated_cells(recipe.for_evaluation(), None, 0))
+    # The group skips cwe where its byte-token template cannot fit (4,096: its counts grow
+    # there) and scores it at 2,048 and 8,192; cwe alone stops before anything compiles.
+    group = load_recipe("tiny", ["eval.task=ruler", "eval.seq_len=8192", "eval.lengths=3"])
+    assert {task: list(lengths) for task, lengths in
+            unfit_lengths(group.for_evaluation()).items()} == {"cwe": [4096]}
+    check_ruler(group.for_evaluation())
+    with pytest.raises(RecipeError, match=r"eval.task cwe at 4,096 tokens: the sample takes"):
+        check_ruler(load_recipe("tiny", ["eval.task=cwe", "eval.seq_len=8192",
+                                         "eval.lengths=3"]).for_evaluation())
 
 
 def test_effective_length_by_hand():

@@ -22,8 +22,8 @@ from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
 from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, grid
-from lctrain.trainer.evaluation.ruler import (cell_score, check_eval_task, is_ruler, ruler_cells,
-                                              ruler_summary)
+from lctrain.trainer.evaluation.ruler import (GROUP, cell_score, check_eval_task, is_ruler,
+                                              ruler_cells, ruler_summary, unfit_lengths)
 from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.model.loss import token_scores
 from lctrain.trainer.outputs.progress import Bar, tracked
@@ -120,7 +120,9 @@ class Evaluator:
                                    data.seq_len, data.batch_size, length)
                 scores.setdefault(task, {})[length] = (score, len(samples))
                 bar.advance()
-        return ruler_summary(scores, self.recipe)
+        unfit = (unfit_lengths(self.recipe) if self.recipe.eval.task == GROUP
+                 and not self.recipe.eval.samples else {})
+        return ruler_summary(scores, self.recipe, unfit)
 
     def retrieval(self, params, origin: str, console: Console | None = None) -> dict:
         """Share of samples retrieved per (haystack length, needle depth)."""

@@ -112,6 +112,12 @@ class SampleText:
         return np.resize(np.asarray(self.encode([FILLER])[0]), count)
 
 
+class TooLong(RecipeError):
+    """A sample that cannot fit the length it is meant for (its template and answer
+    budget, or the whole sample, are longer): the group skips that task at that length,
+    a task on its own stops."""
+
+
 def assemble(prompt: list[int], answer: list[tuple[list[int], bool]], length: int,
              where: str, fix: str) -> Scored:
     """Prompt and answer as one sample; an error if longer than the length it is for."""
@@ -121,7 +127,7 @@ def assemble(prompt: list[int], answer: list[tuple[list[int], bool]], length: in
             strings.append((len(tokens), len(tokens) + len(piece)))
         tokens += piece
     if len(tokens) > length:
-        raise RecipeError(f"{where}: the sample takes {len(tokens):,} tokens, more than the "
+        raise TooLong(f"{where}: the sample takes {len(tokens):,} tokens, more than the "
                           f"{length:,} it is meant for; {fix}")
     return Scored(np.asarray(tokens, np.int64), strings)
 
@@ -141,12 +147,12 @@ def build_sample(task: str, draft: Draft, text: SampleText, length: int) -> Samp
     where = f"eval.task {task} at {length:,} tokens"
     fix = "raise eval.seq_len or lower eval.lengths"
     if budget < 0:
-        raise RecipeError(f"{where}: its template and answer budget take "
+        raise TooLong(f"{where}: its template and answer budget take "
                           f"{length - budget:,} tokens; {fix}")
     try:
         prompt = [*head, *draft.context(text, budget), *tail]
     except DoesNotFit as error:
-        raise RecipeError(f"{where}: the question's own documents take {error.needed:,} "
+        raise TooLong(f"{where}: the question's own documents take {error.needed:,} "
                           f"tokens, more than the {budget:,} its template and answer budget "
                           f"leave; {fix}") from None
     return [assemble(prompt, answer, length, where, fix)
@@ -154,13 +160,17 @@ def build_sample(task: str, draft: Draft, text: SampleText, length: int) -> Samp
 
 
 def generated_cells(recipe: Recipe, source: DataSource | None, seed: int):
-    """(task, length, samples) for every task and length: as many samples as fill one
-    batch (data.batch_size rows of eval.seq_len // length samples each)."""
+    """(task, length, samples) for every task and length its samples fit (the group
+    skips the others: unfit_lengths): as many samples as fill one batch (data.batch_size
+    rows of eval.seq_len // length samples each)."""
     pieces = Pieces(recipe)
     seq_len, rows = recipe.data.seq_len, recipe.data.batch_size
+    unfit = unfit_lengths(recipe) if recipe.eval.task == GROUP else {}  # one task: stops
     for task in task_names(recipe):
         make_draft = task_draft(task, recipe)
         for length in ruler_lengths(recipe):
+            if length in unfit.get(task, {}):
+                continue
             count = rows * (seq_len // length)
             task_index = RULER_TASKS.index(task)
             samples = []
@@ -237,15 +247,32 @@ def ruler_cells(recipe: Recipe, source: DataSource | None, seed: int):
 
 def check_ruler(recipe: Recipe) -> None:
     """RecipeError unless every sample fits the length it is meant for: each task's sample
-    at the shortest length, or every sample of eval.samples (before anything compiles)."""
+    at each length, or every sample of eval.samples (before anything compiles). The group
+    skips a task at the lengths it cannot fit, and stops only when none fits anywhere."""
     if recipe.eval.samples:
         for _ in file_cells(recipe):
             pass
         return
-    pieces, shortest = Pieces(recipe), ruler_lengths(recipe)[0]
+    unfit = unfit_lengths(recipe)
+    cells = len(task_names(recipe)) * len(ruler_lengths(recipe))
+    if unfit and (recipe.eval.task != GROUP or sum(map(len, unfit.values())) == cells):
+        raise TooLong(next(iter(next(iter(unfit.values())).values())))
+
+
+def unfit_lengths(recipe: Recipe) -> dict[str, dict[int, str]]:
+    """Per task, the lengths its samples cannot fit, and why: one sample (seed 0) a task
+    and length, as RULER's templates differ in size (byte tokens: vt, cwe and fwe need a
+    few thousand; cwe's template grows at 4,096, where RULER's counts change)."""
+    pieces, unfit = Pieces(recipe), {}
     for task in task_names(recipe):
-        draft = task_draft(task, recipe)(np.random.default_rng(0), shortest)
-        build_sample(task, draft, SampleText(pieces, None, 0), shortest)
+        make_draft = task_draft(task, recipe)  # a QA file that cannot be read stops here
+        for length in ruler_lengths(recipe):
+            try:
+                build_sample(task, make_draft(np.random.default_rng(0), length),
+                             SampleText(pieces, None, 0), length)
+            except TooLong as error:
+                unfit.setdefault(task, {})[length] = str(error)
+    return unfit
 
 
 def check_eval_task(recipe: Recipe) -> None:
@@ -315,9 +342,11 @@ def effective_length(lengths: list[int], averages: list[float | None],
     return effective
 
 
-def ruler_summary(scores: dict[str, dict[int, tuple[float, int]]], recipe: Recipe) -> dict:
+def ruler_summary(scores: dict[str, dict[int, tuple[float, int]]], recipe: Recipe,
+                  unfit: dict[str, dict[int, str]] | None = None) -> dict:
     """ruler.json: score (%) and samples per task and length, the average per length over
-    the tasks scored there, and the effective length at eval.threshold."""
+    the tasks scored there, the effective length at eval.threshold, and what was skipped
+    and why (QA without its file; `unfit`: unfit_lengths)."""
     lengths = sorted({length for by_length in scores.values() for length in by_length})
     table = {task: [by_length.get(length, (None, 0))[0] for length in lengths]
              for task, by_length in scores.items()}
@@ -331,5 +360,12 @@ def ruler_summary(scores: dict[str, dict[int, tuple[float, int]]], recipe: Recip
                         for task, by_length in scores.items()},
             "average": averages, "threshold": threshold,
             "effective_length": effective_length(lengths, averages, threshold),
-            "skipped": skipped_tasks(recipe),
+            "skipped": {**skipped_tasks(recipe), **unfit_reasons(unfit or {})},
             "source": recipe.eval.samples or "lctrain's generator"}
+
+
+def unfit_reasons(unfit: dict[str, dict[int, str]]) -> dict[str, str]:
+    """Per task, why it was skipped where (the first length's message stands for all)."""
+    return {task: f"at {', '.join(f'{length:,}' for length in by_length)} tokens: "
+                  f"{next(iter(by_length.values())).split(': ', 1)[-1]}"
+            for task, by_length in unfit.items()}

@@ -189,7 +189,8 @@ def niah(haystack: str, key_kind: str, value_kind: str, keys: int = 1, values: i
 
         def context(text: Text, budget: int) -> list[int]:
             needle_tokens = text.encode([("\n" if haystack != "essay" else " ") + n for n in needles])
-            room = budget - sum(map(len, needle_tokens))
+            # Never below 0: needles longer than the budget are a sample too long (TooLong).
+            room = max(budget - sum(map(len, needle_tokens)), 0)
             if haystack == "essay":
                 tokens = list(text.essay(room))
                 cuts = sorted(round(d / 100 * len(tokens)) for d in
