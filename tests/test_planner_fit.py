@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FITS = json.loads((ROOT / "benchmarks" / "data" / "tpu_v5e_2026-12-07_fits.json").read_text())
 EDGES = FITS["compiled_edges_v5e_1x1"]["edges"]
 ONE_CHIP = dict(data=1, fsdp=1, context=1, tensor=1)
-# issue 47 asks for 10% of the longest that runs; the offloaded recipe's estimate is further
-# under it (benchmarks/RESULTS.md, "One v5e chip"): this bound
-BELOW_LONGEST_RUN = 0.85
+# issue 47: the estimate within 10% of the longest length that runs
+BELOW_LONGEST_RUN = 0.9
 
 
 def longest_run(edge: dict) -> int:
@@ -65,16 +64,18 @@ def test_heads_of_64_take_the_bytes_of_heads_of_128_in_the_pallas_kernels(impl, 
 
 
 def test_each_phases_share_is_the_highest_measured_in_it_rounded_up():
-    """calibration.json's fit shares are its measured points' (the loss phase, where no
-    point peaks, takes the highest of all): none is typed apart from its evidence."""
+    """calibration.json's fit shares are its measured points' (a phase where no point
+    peaks takes the highest of its kind; a refused program counts at the least share it
+    can have; an offloaded context is outside the fit; programs in groups of layers are a
+    kind of their own): none is typed apart from its evidence."""
     from lctrain.parallel.planner.calibration import calibration
     shares = calibration()["peak_share"]
-    points = shares["measured"]["points"]
+    points = [p for p in shares["measured"]["points"] if not p.get("context_offloaded")]
 
-    def highest(phase=None) -> float:
-        share = max(p["share"] for p in points if phase in (None, p["peak_phase"]))
-        return math.ceil(share * 100) / 100
-
-    for phase, share in shares["by_peak_phase"].items():
-        measured = any(p["peak_phase"] == phase for p in points)
-        assert share == highest(phase if measured else None), phase
+    for key, share in shares["by_peak_phase"].items():
+        phase = key.removesuffix("_in_groups")
+        kind = [p for p in points if p.get("in_groups", False) == (key != phase)]
+        in_phase = [p for p in kind if p["peak_phase"] == phase] or kind
+        assert share == math.ceil(max(p["share"] for p in in_phase) * 100) / 100, key
+    for refused in (p for p in points if p.get("refused")):
+        assert refused["share"] == round(refused["peak_gb_at_least"] / refused["estimate_gb"], 3)

@@ -81,7 +81,8 @@ class StrategyPlan:
         estimate is of the buffers' sum; libtpu checks XLA's peak, at most calibration.json's
         peak_share of it for the phase the step peaks in, against the HBM less what loading
         needs."""
-        return (self.hbm_bytes * peak_share(self.peak_phase)
+        in_groups = self.memory.get("group_inputs", 0.0) > 0
+        return (self.hbm_bytes * peak_share(self.peak_phase, in_groups)
                 <= self.hbm_capacity - LOAD_RESERVE_BYTES
                 and self.host_bytes <= self.host_capacity)
 
