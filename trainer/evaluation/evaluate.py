@@ -23,7 +23,8 @@ from lctrain.recipes.schema import Recipe
 from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, grid
 from lctrain.trainer.evaluation.ruler import (GROUP, cell_score, check_eval_task, is_ruler,
-                                              ruler_cells, ruler_summary, unfit_lengths)
+                                              ruler_cells, ruler_lengths, ruler_summary,
+                                              unfit_lengths)
 from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.model.loss import token_scores
 from lctrain.trainer.outputs.progress import Bar, tracked
@@ -82,6 +83,7 @@ class Evaluator:
         self.order = strategy.sequence_order(data.seq_len)
         self.string_misses = jax.jit(make_string_misses(self.recipe, graphdef, strategy),
                                      static_argnums=2)
+        self.slots = first_slots(self.recipe)
 
     def __call__(self, params, origin: str, console: Console | None = None) -> dict:
         totals = {name: np.zeros(len(self.edges) - 1) for name in ("loss", "correct", "tokens")}
@@ -102,10 +104,13 @@ class Evaluator:
         """Whether each of the batch's expected strings (ids 1..strings in its loss mask)
         had every token the argmax."""
         source = OneBatch(self.recipe.data, batch)
-        # Static sizes in powers of two: a handful of compiles for any number of strings.
-        slots = 1 << strings.bit_length()
+        # One static size for the whole pass, each compile being a forward pass's (RULER's
+        # cells hold 8 to 320 strings on the default recipe: one compile per power of two
+        # was 6); it doubles only when a batch holds more strings than any before.
+        while strings >= self.slots:
+            self.slots *= 2
         misses = jax.device_get(self.string_misses(
-            params, device_batch(source, 0, self.order, self.mesh), slots))
+            params, device_batch(source, 0, self.order, self.mesh), self.slots))
         return misses[1:strings + 1] == 0
 
     def ruler(self, params, origin: str, console: Console | None = None) -> dict:
@@ -139,6 +144,14 @@ class Evaluator:
         return {"task": self.recipe.eval.task, "lengths": lengths, "depths": depths,
                 "accuracy": accuracy.tolist(), "mean": float(accuracy.mean()),
                 "samples_per_cell": self.recipe.data.batch_size}
+
+
+def first_slots(recipe: Recipe) -> int:
+    """String ids a batch can hold (0, not counted, and 1...), for every batch of a pass:
+    a power of two above a batch of RULER's shortest samples with 10 strings each (cwe's,
+    the most of a generated task; a retrieval batch has one a row)."""
+    shortest = ruler_lengths(recipe)[0] if is_ruler(recipe) else recipe.data.seq_len
+    return 1 << (recipe.data.batch_size * (recipe.data.seq_len // shortest) * 10).bit_length()
 
 
 def make_string_misses(recipe: Recipe, graphdef, strategy):
