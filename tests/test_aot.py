@@ -246,7 +246,7 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
     # Llama's head dim: a head dim of 16 fills an eighth of the 128 lanes of a TPU tile,
     # and XLA lays such tensors out otherwise (it relayouts q for all_gather's kernel).
     overrides = [*MODEL_SETS, "model.head_dim=128", f"parallel.strategy={strategy}",
-                 "mesh.context=-1", "mesh.data=1", "data.seq_len=8192", "data.batch_size=1",
+                 "mesh.context=-1", "mesh.data=1", "data.seq_len=2048", "data.batch_size=1",
                  f"attention.impl={impl}"]
     if strategy == "usp":
         overrides.append("parallel.ulysses=2")
@@ -256,7 +256,7 @@ def test_train_step_runs_the_kernel_through_mosaic(topology, strategy, impl):
                     if 'custom_call_target="tpu_custom_call"' in line]
     for kernel in KERNEL_NAMES[impl]:
         assert any(kernel in line for line in mosaic_calls), kernel
-    local_kv = kv_bytes(8192 // len(devices)) * 128 // HEAD_DIM
+    local_kv = kv_bytes(2048 // len(devices)) * 128 // HEAD_DIM
     found = relayouts_next_to_kernels(text, KERNEL_NAMES[impl], local_kv)
     # Splash's forward writes its logsumexp 128 lanes wide, f32; XLA copies out the lane
     # kept (docs/kernels.md). Ulysses' all-to-all delivers sequence chunks major; one copy per
