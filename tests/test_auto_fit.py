@@ -58,6 +58,8 @@ def compiles(monkeypatch) -> list[str]:
 
 def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compiles,
                                                                   monkeypatch):
+    """A limit under the first choice's figure compiles the next; under every one, the run
+    stops out of device memory."""
     devices = jax.devices()[:2]
     executables = []
 
@@ -96,13 +98,12 @@ def test_auto_skips_a_strategy_whose_compiled_step_does_not_fit(tmp_path, compil
     assert (f"compiled train step: {chosen}, {gigabytes(needs[-1])} per device "
             f"(of {gigabytes(limit)}) in ") in printed
 
-
-def test_when_every_compiled_step_is_over_the_limit_the_run_says_so():
-    """Compiled, but over the limit (no refusal from XLA): out of device memory, naming the
-    smallest need (this once raised AttributeError on the TPU: benchmarks/step.py)."""
-    recipe = load_recipe("tiny", SMALL)
+    # Every compiled step over the limit (no refusal from XLA): out of device memory, naming
+    # the smallest need (this once raised AttributeError on the TPU: benchmarks/step.py).
+    # The same programs as above, in the same process: here, not in a test of its own that
+    # compiled all three again.
     with pytest.raises(DoesNotFit) as err:
-        build.compile_run(recipe, jax.devices()[:2], recorded(), memory_limit=1)
+        build.compile_run(recipe, devices, recorded(), memory_limit=1)
     message, code = explain(err.value)
     assert code == 1 and message.startswith("out of device memory: ")
     assert " needs " in message and "(the least of all_gather, ulysses, ring)" in message
