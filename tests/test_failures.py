@@ -254,10 +254,11 @@ def test_auto_goes_on_to_its_next_candidate_when_the_first_step_finds_the_device
 
     monkeypatch.setattr(loop, "compile_run", compile_run)
     console = Console(file=io.StringIO(), width=200)
-    recipe = load_recipe("tiny", ["data.seq_len=64", "mesh.context=4", "mesh.data=2",
+    # Two devices (context 2): auto's candidates, each compiled for 2 devices, not 8.
+    recipe = load_recipe("tiny", ["data.seq_len=64", "mesh.context=2", "mesh.data=1",
                                   "parallel.strategy=auto", "train.steps=2",
                                   "checkpoint.every=0"])
-    records = loop.train(recipe, tmp_path, console)
+    records = loop.train(recipe, tmp_path, console, jax.devices()[:2])
     assert len(tried) == 2 and tried[0] != tried[1]
     assert [r["step"] for r in records] == [2] and recipe.parallel.strategy == "auto"
     assert (f"{tried[0]}: out of device memory: a device could not allocate 31.5 MB"
