@@ -82,19 +82,10 @@ def ours_on(x, positions, segment_ids, theirs):
         x, positions, segment_ids))
 
 
-def test_layer_matches_transformers():
-    theirs = torch_layer()
-    x = np.random.default_rng(0).standard_normal((2, SEQ, E), dtype=np.float32)
-    positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (2, SEQ))
-    ours = ours_on(x, positions, np.ones((2, SEQ), np.int32), theirs)
-    expected = theirs(torch.from_numpy(x)).detach().numpy()
-    assert np.abs(expected).max() > 0.1
-    np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=1e-4)
-
-
-def test_packed_documents_match_each_document_alone():
-    """Row 0 packs documents of 10, 3 (shorter than the conv) and 11 tokens: each part
-    of the output equals transformers' on that document alone (neither the conv nor the
+def test_layer_matches_transformers_and_packed_documents_each_document_alone():
+    """One call of our layer on two rows. Row 1, one document: transformers' output on
+    it. Row 0 packs documents of 10, 3 (shorter than the conv) and 11 tokens: each part of
+    the output equals transformers' on that document alone (neither the conv nor the
     state crosses a boundary)."""
     theirs = torch_layer()
     x = np.random.default_rng(1).standard_normal((2, SEQ, E), dtype=np.float32)
@@ -105,6 +96,9 @@ def test_packed_documents_match_each_document_alone():
         segment_ids[0, start:end] = doc + 1
         positions[0, start:end] = np.arange(end - start)
     ours = ours_on(x, positions, segment_ids, theirs)
+    whole = theirs(torch.from_numpy(x[1:])).detach().numpy()
+    assert np.abs(whole).max() > 0.1
+    np.testing.assert_allclose(ours[1:], whole, atol=1e-4, rtol=1e-4)
     for start, end in zip(bounds, bounds[1:]):
         alone = theirs(torch.from_numpy(x[:1, start:end])).detach().numpy()
         np.testing.assert_allclose(ours[0, start:end], alone[0], atol=1e-4, rtol=1e-4)
