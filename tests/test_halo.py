@@ -18,6 +18,7 @@ from lctrain.parallel.hlo import collective_bytes
 from lctrain.recipes import load_recipe
 from lctrain.recipes.schema import RecipeError
 from lctrain.trainer.state.build import mesh_for
+from helpers import fast_jit
 from reference import dense_attention
 
 B, SEQ, HQ, HKV, D = 2, 64, 4, 2, 16
@@ -66,8 +67,8 @@ def strategy_vs_dense(strategy, window):
     def attend(q, k, v, segment_ids):
         return strategy.attend(q, k, v, positions, segment_ids, window=window)
 
-    stored = jax.jit(lambda *xs: grads_of(attend, *xs))(
-        *(x[:, order] for x in (q, k, v, dout, segment_ids)))
+    args = [x[:, order] for x in (q, k, v, dout, segment_ids)]
+    stored = fast_jit(lambda *xs: grads_of(attend, *xs), *args)(*args)
     ours = [np.asarray(x)[:, np.argsort(order)] for x in stored]
 
     def dense(q, k, v, segment_ids):
