@@ -152,17 +152,19 @@ def test_fallbacks_follow_the_recommendation_on_what_is_left():
     only some strategies fit by the estimate, those come first, fastest first."""
     from lctrain.parallel import planner
     from lctrain.parallel.auto import ranked
-    from lctrain.parallel.chips import CHIPS
+    from lctrain.parallel.chips import CHIPS, LOAD_RESERVE_BYTES
+    from lctrain.parallel.planner.calibration import peak_share
 
     # With the MLP in chunks each strategy's attention sets its peak.
     recipe = load_recipe("tiny", ["model.preset=llama3.1-8b", "data.seq_len=229376",
                                 "data.batch_size=1", "mesh.data=1", "mesh.context=4",
                                 "parallel.strategy=auto", "remat.mlp_chunk_tokens=16384"])
     sizes = {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
-    # ulysses's and all_gather's estimates (99.4, 102.0 GB) fit 88.5 GB (their attention-
-    # phase peak share of them, calibration.json, within it less the load reserve), ring's
-    # and usp's (103.4: a ring's working set peaks highest with the MLP in chunks) do not
-    chip = dataclasses.replace(CHIPS["v5p"], hbm_bytes=88.5e9)
+    # ulysses's and all_gather's estimates (99.4, 102.0 GB) fit an HBM that holds the
+    # attention phase's peak share of 102.7 GB beside the load reserve, ring's and usp's
+    # (103.4: a ring's working set peaks highest with the MLP in chunks) do not
+    hbm = LOAD_RESERVE_BYTES + peak_share("layer_attention") * 102.7e9
+    chip = dataclasses.replace(CHIPS["v5p"], hbm_bytes=hbm)
     result = planner.plan(recipe, chip, sizes, "tpu")
     order = ranked(result.plans)
     assert order[0] is result.choice and sorted(map(id, order)) == sorted(map(id, result.plans))
