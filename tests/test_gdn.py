@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_close
+from helpers import assert_close, fast_jit
 from lctrain.kernels.gdn import (final_state, gated_delta_rule, recurrent_gated_delta_rule,
                                  reset_at_document_starts)
 from lctrain.kernels.jaxpr_walk import equations
@@ -119,8 +119,9 @@ def test_custom_vjp_matches_autodiff_of_recurrence(packed):
     q, k, v, g, beta, *rest = inputs(seq)
     if packed:
         g = np.asarray(reset_at_document_starts(g, packed_positions(seq)))
-    got = jax.jit(functools.partial(gradients, chunked(16)))(q, k, v, g, beta, *rest)
-    want = jax.jit(functools.partial(gradients, recurrent))(q, k, v, g, beta, *rest)
+    args = (q, k, v, g, beta, *rest)
+    got = fast_jit(functools.partial(gradients, chunked(16)), *args)(*args)
+    want = fast_jit(functools.partial(gradients, recurrent), *args)(*args)
     assert_named_close(got, want, GRADIENT_NAMES)
     if packed:  # the gates at document starts get no gradient, as in the recurrence
         assert not np.asarray(got[5])[np.isneginf(g)].any()
@@ -146,11 +147,14 @@ def test_final_state_widens_the_values_in_the_kernel():
         widened = jnp.concatenate([jnp.zeros((*v.shape[:-1], DK)), v], axis=-1)
         return recurrent_gated_delta_rule(q, k, widened, g, beta, initial_state=state)[1]
 
-    args = (k, v, g, beta, wide_state)
-    assert_named_close([ours(*args)], [reference(*args)], ["final state"])
+    def value_and_grads(fn):  # jitted: one compile, not one per operation
+        grads = jax.grad(functools.partial(loss, fn), argnums=range(5))
+        return jax.jit(lambda *x: (fn(*x), grads(*x)))(k, v, g, beta, wide_state)
+
+    (got, got_grads), (want, want_grads) = value_and_grads(ours), value_and_grads(reference)
+    assert_named_close([got], [want], ["final state"])
     names = ("dk", "dv", "dg", "dbeta", "d initial state")
-    assert_named_close(jax.grad(functools.partial(loss, ours), argnums=range(5))(*args),
-                       jax.grad(functools.partial(loss, reference), argnums=range(5))(*args), names)
+    assert_named_close(got_grads, want_grads, names)
 
 
 def strategy_for(context, load_balance, extra=()):
@@ -174,7 +178,8 @@ def context_parallel_gradients(strategy, seq):
         out, vjp = jax.vjp(lambda *x: strategy.delta_rule(*x, positions), q, k, v, g, beta)
         return (out, *vjp(d_out))
 
-    stored = jax.jit(rule)(*(x[:, order] for x in (q, k, v, g, beta, positions, d_out)))
+    args = [x[:, order] for x in (q, k, v, g, beta, positions, d_out)]
+    stored = fast_jit(rule, *args)(*args)
     return [np.asarray(x)[:, np.argsort(order)] for x in stored]
 
 
