@@ -72,25 +72,38 @@ def sets(*assignments: str) -> list[str]:
     return [part for assignment in assignments for part in ("--set", assignment)]
 
 
+def extend(work: Path, stages: dict, model: list[str], make_documents, evaluate,
+           recipe: tuple[str, ...] = ()) -> list:
+    """The two-stage workflow: stage 1 trained on make_documents' stream, exported as a
+    Hugging Face checkpoint, stage 2 trained from it; evaluate(run_dir) after each stage
+    (its two results, in order)."""
+    work.mkdir(parents=True, exist_ok=True)
+    for seed, (name, stage) in enumerate(stages.items()):
+        make_documents(work / f"{name}.npy", stage["documents"], stage["longest"], seed)
+    stage1, stage2, hf = (work / name for name in ("stage1", "stage2", "stage1_hf"))
+    lctrain("run", *recipe, "--run-dir", stage1,
+            *sets(*model, f"data.source={work}/stage1.npy", *stages["stage1"]["sets"]))
+    lctrain("export", stage1, hf, "--dtype", "float32")
+    before = evaluate(stage1)
+    lctrain("run", *recipe, "--run-dir", stage2,
+            *sets(*model, f"model.init=hf:{hf}", f"data.source={work}/stage2.npy",
+                  *stages["stage2"]["sets"]))
+    return [before, evaluate(stage2)]
+
+
+def passkey_grid(run_dir: Path) -> Path:
+    lctrain("eval", "--run-dir", run_dir, "--out", run_dir / "eval", *sets(*GRID))
+    return run_dir
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/figures"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/passkey_extension"))
     args = parser.parse_args(argv)
-    args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    for seed, (name, stage) in enumerate(STAGES.items()):
-        passkey_documents(args.work / f"{name}.npy", stage["documents"], stage["longest"], seed)
-    stage1, stage2, hf = (args.work / name for name in ("stage1", "stage2", "stage1_hf"))
-    lctrain("run", "--run-dir", stage1, *sets(*MODEL, f"data.source={args.work}/stage1.npy",
-                                              *STAGES["stage1"]["sets"]))
-    lctrain("export", stage1, hf, "--dtype", "float32")
-    lctrain("eval", "--run-dir", stage1, "--out", stage1 / "eval", *sets(*GRID))
-    lctrain("run", "--run-dir", stage2, *sets(*MODEL, f"model.init=hf:{hf}",
-                                              f"data.source={args.work}/stage2.npy",
-                                              *STAGES["stage2"]["sets"]))
-    lctrain("eval", "--run-dir", stage2, "--out", stage2 / "eval", *sets(*GRID))
-    for run_dir, figure in ((stage1, "before"), (stage2, "after")):
+    stage_dirs = extend(args.work, STAGES, MODEL, passkey_documents, passkey_grid)
+    for run_dir, figure in zip(stage_dirs, ("before", "after")):
         shutil.copyfile(run_dir / "eval" / "passkey_heatmap.png",
                         args.out / f"passkey_{figure}_extension.png")
         result = json.loads((run_dir / "eval" / "eval.json").read_text())["retrieval"]

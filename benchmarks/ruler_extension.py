@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from passkey_extension import VOCAB, lctrain, sets
+from passkey_extension import VOCAB, extend, lctrain, sets
 
 from lctrain.recipes import load_recipe
 from lctrain.trainer.data.batches import BYTE_EOS
@@ -70,11 +70,13 @@ def task_documents(path: Path, count: int, longest: int, seed: int) -> None:
     np.save(path, np.concatenate(documents).astype(np.uint16))
 
 
-def ruler_pass(run_dir: Path) -> tuple[dict, float]:
-    """`lctrain eval` of RULER on the run's checkpoint: ruler.json and the seconds taken."""
+def ruler_pass(run_dir: Path) -> tuple[Path, dict, float]:
+    """`lctrain eval` of RULER on the run's checkpoint: the run dir, ruler.json and the
+    seconds taken."""
     start = time.time()
     lctrain("eval", "--run-dir", run_dir, "--out", run_dir / "eval", *sets(*RULER))
-    return json.loads((run_dir / "eval" / "ruler.json").read_text()), time.time() - start
+    ruler = json.loads((run_dir / "eval" / "ruler.json").read_text())
+    return run_dir, ruler, time.time() - start
 
 
 def main(argv=None) -> None:
@@ -83,31 +85,21 @@ def main(argv=None) -> None:
     parser.add_argument("--data", type=Path, default=Path("benchmarks/data/ruler_extension.json"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/ruler_extension"))
     args = parser.parse_args(argv)
-    args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    for seed, (name, stage) in enumerate(STAGES.items()):
-        task_documents(args.work / f"{name}.npy", stage["documents"], stage["longest"], seed)
-    stage1, stage2, hf = (args.work / name for name in ("stage1", "stage2", "stage1_hf"))
-    rows, start = {}, time.time()
-    lctrain("run", RECIPE, "--run-dir", stage1, *sets(*MODEL, f"data.source={args.work}/stage1.npy",
-                                              *STAGES["stage1"]["sets"]))
-    lctrain("export", stage1, hf, "--dtype", "float32")
-    rows["before"], before_s = ruler_pass(stage1)
-    lctrain("run", RECIPE, "--run-dir", stage2, *sets(*MODEL, f"model.init=hf:{hf}",
-                                              f"data.source={args.work}/stage2.npy",
-                                              *STAGES["stage2"]["sets"]))
-    rows["after"], after_s = ruler_pass(stage2)
-    for run_dir, figure in ((stage1, "before"), (stage2, "after")):
+    start = time.time()
+    passes = extend(args.work, STAGES, MODEL, task_documents, ruler_pass, recipe=(RECIPE,))
+    rows, seconds = {}, {}
+    for (run_dir, ruler, pass_s), figure in zip(passes, ("before", "after")):
         shutil.copyfile(run_dir / "eval" / "ruler.png", args.out / f"ruler_{figure}_extension.png")
-        ruler = rows[figure]
+        rows[figure], seconds[figure] = ruler, round(pass_s, 1)
         print(f"{figure} extension: RULER average by length "
               + ", ".join(f"{length}: {average:.1f}"
                           for length, average in zip(ruler["lengths"], ruler["average"])))
     args.data.parent.mkdir(parents=True, exist_ok=True)
     args.data.write_text(json.dumps({
         "trained_task": TRAINED, "stages": STAGES, "ruler_sets": RULER, "model": MODEL,
-        "ruler_pass_s": {"before": round(before_s, 1), "after": round(after_s, 1)},
-        "total_s": round(time.time() - start, 1), **rows}, indent=2) + "\n")
+        "ruler_pass_s": seconds, "total_s": round(time.time() - start, 1), **rows},
+        indent=2) + "\n")
 
 
 if __name__ == "__main__":
