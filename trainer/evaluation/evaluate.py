@@ -22,9 +22,9 @@ from lctrain.parallel import make_strategy
 from lctrain.recipes.schema import Recipe
 from lctrain.trainer.data.sources import make_source
 from lctrain.trainer.evaluation.retrieval import OneBatch, cell_batches, grid
-from lctrain.trainer.evaluation.ruler import (GROUP, cell_score, check_eval_task, is_ruler,
-                                              ruler_cells, ruler_lengths, ruler_summary,
-                                              unfit_lengths)
+from lctrain.trainer.evaluation.ruler import (cell_score, check_eval_task, group_skips,
+                                              is_ruler, ruler_cells, ruler_lengths,
+                                              ruler_summary)
 from lctrain.trainer.hf.weights import load_weights
 from lctrain.trainer.model.loss import token_scores
 from lctrain.trainer.outputs.progress import Bar, tracked
@@ -118,15 +118,14 @@ class Evaluator:
         data = self.recipe.data
         filler = self.source if data.sources or data.source != "synthetic" else None
         scores: dict[str, dict[int, tuple[float, int]]] = {}
-        count, cells = ruler_cells(self.recipe, filler, self.recipe.train.seed)
+        unfit = group_skips(self.recipe)
+        count, cells = ruler_cells(self.recipe, filler, self.recipe.train.seed, unfit)
         with Bar(console, f"ruler ({origin})", count) as bar:
             for task, length, samples in cells:
                 score = cell_score(samples, functools.partial(self.found, params),
                                    data.seq_len, data.batch_size, length)
                 scores.setdefault(task, {})[length] = (score, len(samples))
                 bar.advance()
-        unfit = (unfit_lengths(self.recipe) if self.recipe.eval.task == GROUP
-                 and not self.recipe.eval.samples else {})
         return ruler_summary(scores, self.recipe, unfit)
 
     def retrieval(self, params, origin: str, console: Console | None = None) -> dict:

@@ -159,13 +159,14 @@ def build_sample(task: str, draft: Draft, text: SampleText, length: int) -> Samp
             for answer in encoded_answers(task, draft.outputs, text)]
 
 
-def generated_cells(recipe: Recipe, source: DataSource | None, seed: int):
+def generated_cells(recipe: Recipe, source: DataSource | None, seed: int,
+                    unfit: dict[str, dict[int, str]] | None = None):
     """(task, length, samples) for every task and length its samples fit (the group
-    skips the others: unfit_lengths): as many samples as fill one batch (data.batch_size
-    rows of eval.seq_len // length samples each)."""
+    skips the others: `unfit`, group_skips' when not given): as many samples as fill one
+    batch (data.batch_size rows of eval.seq_len // length samples each)."""
     pieces = Pieces(recipe)
     seq_len, rows = recipe.data.seq_len, recipe.data.batch_size
-    unfit = unfit_lengths(recipe) if recipe.eval.task == GROUP else {}  # one task: stops
+    unfit = group_skips(recipe) if unfit is None else unfit
     for task in task_names(recipe):
         make_draft = task_draft(task, recipe)
         for length in ruler_lengths(recipe):
@@ -235,14 +236,23 @@ def read_record(line: str, where: str) -> dict:
     return record
 
 
-def ruler_cells(recipe: Recipe, source: DataSource | None, seed: int):
-    """(how many cells, the cells): generated ones one at a time, as a cell at 1M tokens
-    holds a batch's worth of samples."""
+def ruler_cells(recipe: Recipe, source: DataSource | None, seed: int,
+                unfit: dict[str, dict[int, str]]):
+    """(how many cells, the cells) but those `unfit` (group_skips): generated ones one at
+    a time, as a cell at 1M tokens holds a batch's worth of samples."""
     if recipe.eval.samples:
         cells = list(file_cells(recipe))
         return len(cells), iter(cells)
     count = len(task_names(recipe)) * len(ruler_lengths(recipe))
-    return count, generated_cells(recipe, source, seed)
+    count -= sum(map(len, unfit.values()))
+    return count, generated_cells(recipe, source, seed, unfit)
+
+
+def group_skips(recipe: Recipe) -> dict[str, dict[int, str]]:
+    """What the generated `ruler` group skips (unfit_lengths); a task on its own, or
+    eval.samples, skips nothing (check_ruler stops an unfit one before it compiles)."""
+    generated_group = recipe.eval.task == GROUP and not recipe.eval.samples
+    return unfit_lengths(recipe) if generated_group else {}
 
 
 def check_ruler(recipe: Recipe) -> None:
